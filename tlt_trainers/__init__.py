@@ -1,0 +1,45 @@
+"""tlt-trainers: lossless adaptive speculative rollouts for RL post-training (TLT, ASPLOS 2026).
+
+``import tlt_trainers`` needs only torch and transformers; the TRL and veRL adapters import
+lazily, on first use of their names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .config import TLTConfig
+from .drafter import EagleDrafter, EagleDrafterConfig
+from .rollout import GenerationResult, GenerationStats, SpeculativeGenerator
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "DrafterTrainer": "tlt_trainers.drafter.trainer",
+    "TLTGRPOConfig": "tlt_trainers.trl",
+    "TLTGRPOTrainer": "tlt_trainers.trl",
+    "TLTPPOTrainer": "tlt_trainers.verl",
+}
+
+__all__ = [
+    "TLTConfig",
+    "EagleDrafter",
+    "EagleDrafterConfig",
+    "SpeculativeGenerator",
+    "GenerationResult",
+    "GenerationStats",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tlt_trainers' has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            f"tlt_trainers.{name} is not available yet in this install ({err}). The TRL adapter needs "
+            "`pip install tlt-trainers[trl]`, the veRL adapter `pip install tlt-trainers[verl]`."
+        ) from err

@@ -1,0 +1,65 @@
+"""Configuration of an EAGLE-style drafter, stored as config.json next to its weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class EagleDrafterConfig:
+    """Shapes of the drafter and the facts about its target it must agree with."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    final_logit_softcapping: float | None = None
+    logit_scale: float = 1.0
+    target_model_type: str | None = None
+    target_name_or_path: str | None = None
+    architecture: str = "EagleDrafter"
+    format_version: int = 1
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}] or None."
+            )
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EagleDrafterConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown EagleDrafterConfig fields {unknown}: was this drafter saved by a newer version?")
+        return cls(**data)
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory, CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> EagleDrafterConfig:
+        path = Path(directory, CONFIG_NAME)
+        if not path.is_file():
+            raise FileNotFoundError(f"No drafter config at {path}; save one with EagleDrafter.save_pretrained(dir).")
+        data = json.loads(path.read_text())
+        if data.get("architecture") != "EagleDrafter":
+            raise ValueError(f"{path} is not an EagleDrafter config (architecture={data.get('architecture')!r}).")
+        return cls.from_dict(data)

@@ -1,0 +1,137 @@
+"""A KV cache in which every row has its own length.
+
+Speculation makes rows advance by different amounts per step. Instead of copying caches to
+realign them, each row writes its new keys at its own offset and rejected entries are simply
+overwritten by the next step: rollback is a change of one integer per row. The attention mask
+(built here too) tells each query which slots of its row are real.
+
+Slot s of row b holds the token at position s - pad[b] (prompts are left padded), so the
+committed slots of a row are exactly [pad[b], length[b]).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class RowState:
+    """Per-row bookkeeping shared by the target's and the drafter's caches."""
+
+    def __init__(self, pad: torch.Tensor, length: torch.Tensor):
+        self.pad = pad  # [B] left padding of each row's prompt
+        self.length = length  # [B] committed slots (pad included)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.pad = self.pad[keep]
+        self.length = self.length[keep]
+
+
+class RowKV:
+    """Key/value buffers [B, H, capacity, D] written at per-row offsets."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, kv_len: int):
+        """Write [B, H, q, D] states at slots ``index`` [B, q]; return the first ``kv_len`` slots."""
+        if self.keys is None:
+            b, h, _, d = keys.shape
+            self.keys = keys.new_zeros(b, h, self.capacity, d)
+            self.values = values.new_zeros(b, h, self.capacity, d)
+        if kv_len > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {kv_len} slots needed, {self.capacity} allocated.")
+        b, h, q, d = keys.shape
+        slot = index[:, None, :, None].expand(b, h, q, d)
+        self.keys.scatter_(2, slot, keys)
+        self.values.scatter_(2, slot, values.to(self.values.dtype))
+        return self.keys[:, :, :kv_len], self.values[:, :, :kv_len]
+
+    def select(self, keep: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, keep)
+            self.values = self.values.index_select(0, keep)
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+class WritePlan:
+    """Where the next forward writes: slots [B, q] and the visible cache length."""
+
+    def __init__(self, index: torch.Tensor, kv_len: int):
+        self.index = index
+        self.kv_len = kv_len
+
+
+def plan_writes(state: RowState, num_new: int, kv_len: int) -> WritePlan:
+    offsets = torch.arange(num_new, device=state.length.device)
+    return WritePlan(state.length[:, None] + offsets, kv_len)
+
+
+class _RowCacheLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, owner: RowCache):
+        super().__init__()
+        self.owner = owner
+        self.store = RowKV(owner.capacity)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.is_initialized = True
+        plan = self.owner.plan
+        return self.store.write(key_states, value_states, plan.index, plan.kv_len)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.plan.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.plan.kv_len if self.owner.plan is not None else 0
+
+    def get_max_cache_shape(self) -> int:
+        return self.owner.capacity
+
+
+class RowCache(Cache):
+    """A transformers ``Cache`` backed by :class:`RowKV`; the engine sets ``plan`` before each forward."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = capacity
+        self.plan: WritePlan | None = None
+        super().__init__(layers=[_RowCacheLayer(self) for _ in range(num_layers)])
+
+    def select(self, keep: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.store.select(keep)
+
+    def nbytes(self) -> int:
+        return sum(layer.store.nbytes() for layer in self.layers)
+
+
+def attention_allowed(state: RowState, query_slots: torch.Tensor, kv_len: int, window: int | None = None):
+    """Bool [B, q, kv_len]: query at slot ``query_slots`` [B, q] may attend to key slot s.
+
+    A query sees the committed slots of its row up to itself (causal, no left padding). Padding
+    queries see only themselves so that no softmax row is empty.
+    """
+    slots = torch.arange(kv_len, device=query_slots.device)
+    key = slots[None, None, :]
+    query = query_slots[:, :, None]
+    allowed = (key >= state.pad[:, None, None]) & (key <= query)
+    if window is not None:
+        allowed &= query - key < window
+    return allowed | (key == query)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, q, kv] float mask (0 where allowed, dtype's min elsewhere): works with eager and sdpa."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

@@ -1,0 +1,84 @@
+"""What a generate() call measured: acceptance, token counts, time, memory, per batch-size bucket."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 1 << 30))
+
+
+def bucket_name(batch_size: int) -> str:
+    for low, high in BUCKETS:
+        if low <= batch_size <= high:
+            return str(low) if low == high else (f"{low}+" if high >= 1 << 30 else f"{low}-{high}")
+    raise ValueError(batch_size)
+
+
+@dataclass
+class BucketStats:
+    steps: int = 0
+    speculative_steps: int = 0
+    row_forwards: int = 0  # sum over steps of active rows: policy forwards per row
+    emitted_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted_tokens / self.row_forwards if self.row_forwards else 0.0
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generate() call. ``acceptance_length`` is tokens emitted per policy forward per row."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    row_forwards: int = 0
+    steps: int = 0
+    speculative_steps: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    total_seconds: float = 0.0
+    peak_cache_bytes: int = 0
+    buckets: dict[str, BucketStats] = field(default_factory=dict)
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.generated_tokens_in_steps / self.row_forwards if self.row_forwards else 0.0
+
+    @property
+    def generated_tokens_in_steps(self) -> int:
+        return sum(b.emitted_tokens for b in self.buckets.values())
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def record_step(self, batch_size: int, emitted: int, drafted: int, accepted: int, seconds: float) -> None:
+        bucket = self.buckets.setdefault(bucket_name(batch_size), BucketStats())
+        bucket.steps += 1
+        bucket.speculative_steps += int(drafted > 0)
+        bucket.row_forwards += batch_size
+        bucket.emitted_tokens += emitted
+        bucket.draft_tokens += drafted
+        bucket.accepted_tokens += accepted
+        bucket.seconds += seconds
+        self.steps += 1
+        self.speculative_steps += int(drafted > 0)
+        self.row_forwards += batch_size
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["acceptance_length"] = self.acceptance_length
+        data["draft_acceptance_rate"] = self.draft_acceptance_rate
+        for name, bucket in self.buckets.items():
+            data["buckets"][name]["acceptance_length"] = bucket.acceptance_length
+        return data
