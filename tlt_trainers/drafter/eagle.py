@@ -52,7 +52,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class DrafterAttention(nn.Module):
     def __init__(self, config: EagleDrafterConfig):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.theta = config.rope_theta
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
@@ -192,7 +193,8 @@ class EagleDrafter(nn.Module):
                 f"set_draft_vocab needs exactly draft_vocab_size={self.draft_vocab_size} ids and a drafter created "
                 "with draft_vocab_size < vocab_size."
             )
-        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size or token_ids.unique().numel() != len(token_ids):
+        in_range = 0 <= token_ids.min() and token_ids.max() < self.config.vocab_size
+        if not in_range or token_ids.unique().numel() != len(token_ids):
             raise ValueError("Draft vocabulary ids must be distinct token ids of the policy's vocabulary.")
         self.d2t.copy_(token_ids.sort().values.to(self.d2t.device))
         self._head_cache = None

@@ -118,7 +118,8 @@ class SpeculativeGenerator:
     ) -> GenerationResult:
         if unsupported:
             raise TypeError(
-                f"SpeculativeGenerator.generate does not support {sorted(unsupported)}; supported: {SUPPORTED_SETTINGS}."
+                f"SpeculativeGenerator.generate does not support {sorted(unsupported)}; "
+                f"supported: {SUPPORTED_SETTINGS}."
             )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}.")

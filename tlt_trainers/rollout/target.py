@@ -54,7 +54,8 @@ class TargetModel:
         self.softcap, self.scale = logit_transform(self.config)
         self.num_layers = self.config.num_hidden_layers
         layer_types = getattr(self.config, "layer_types", None) or []
-        self.sliding_window = getattr(self.config, "sliding_window", None) if "sliding_attention" in layer_types else None
+        has_sliding = "sliding_attention" in layer_types
+        self.sliding_window = getattr(self.config, "sliding_window", None) if has_sliding else None
         self._checked = False
 
     @property
