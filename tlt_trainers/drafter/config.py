@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 CONFIG_NAME = "config.json"
@@ -49,6 +49,10 @@ class EagleDrafterConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"Unknown EagleDrafterConfig fields {unknown}: was this drafter saved by a newer version?")
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        absent = sorted(required - set(data))
+        if absent:
+            raise ValueError(f"EagleDrafterConfig is missing required fields {absent}.")
         return cls(**data)
 
     def save(self, directory: str | Path) -> None:
@@ -59,7 +63,11 @@ class EagleDrafterConfig:
         path = Path(directory, CONFIG_NAME)
         if not path.is_file():
             raise FileNotFoundError(f"No drafter config at {path}; save one with EagleDrafter.save_pretrained(dir).")
-        data = json.loads(path.read_text())
-        if data.get("architecture") != "EagleDrafter":
-            raise ValueError(f"{path} is not an EagleDrafter config (architecture={data.get('architecture')!r}).")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-save the drafter with save_pretrained.") from err
+        architecture = data.get("architecture") if isinstance(data, dict) else None
+        if architecture != "EagleDrafter":
+            raise ValueError(f"{path} is not an EagleDrafter config (architecture={architecture!r}).")
         return cls.from_dict(data)

@@ -203,7 +203,9 @@ class EagleDrafter(nn.Module):
         """The LM head rows the drafter scores, re-sliced only when the policy's head changes."""
         weight = self.target.head.weight
         if self.d2t is None:
-            return weight
+            # Detached: a drafter loss must never put a gradient into the policy's head (.grad of a frozen,
+            # shared weight would leak into the policy's next optimizer step).
+            return weight.detach()
         key = (weight.data_ptr(), weight._version, self.d2t._version)
         if self._head_cache is None or self._head_cache[0] != key:
             self._head_cache = (key, weight.detach()[self.d2t])
@@ -211,7 +213,8 @@ class EagleDrafter(nn.Module):
 
     # ----------------------------------------------------------------- compute
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.target.embed(tokens).detach()
+        with torch.no_grad():
+            return self.target.embed(tokens)
 
     def forward(self, hidden, next_tokens, positions, mask=None, kv: RowKV | None = None, slots=None, kv_len=None):
         """Predicted next hidden states [B, q, H] from policy features ``hidden`` [B, q, H] and tokens [B, q].
@@ -251,6 +254,12 @@ class EagleDrafter(nn.Module):
         """Load from a directory (or a Hub repo id, downloaded with huggingface_hub) and bind to ``target``."""
         directory = Path(path)
         if not directory.is_dir():
+            text = str(path)
+            if directory.exists() or directory.is_absolute() or text.startswith(".") or text.count("/") > 1:
+                raise FileNotFoundError(
+                    f"No drafter directory at {text}; pass a folder written by EagleDrafter.save_pretrained "
+                    "or a Hub repo id ('namespace/name')."
+                )
             from huggingface_hub import snapshot_download
 
             directory = Path(snapshot_download(str(path), **hub_kwargs))
@@ -260,7 +269,10 @@ class EagleDrafter(nn.Module):
             raise FileNotFoundError(f"{weights} is missing; the drafter at {directory} is incomplete.")
         drafter = cls(config)
         state = load_file(str(weights))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = drafter.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # a tensor whose shape disagrees with config.json
+            raise ValueError(f"Drafter weights at {weights} do not match its config: {err}") from err
         if missing or unexpected:
             raise ValueError(
                 f"Drafter weights at {weights} do not match its config (missing {missing}, unexpected {unexpected})."

@@ -35,18 +35,30 @@ class DrafterTrainer:
     ):
         self.drafter, self.model = drafter, model
         self.target = TargetModel(model)
-        if drafter._target is None:
-            drafter.bind(model)
+        if drafter._target is None or drafter.target.head is not model.get_output_embeddings():
+            drafter.bind(model)  # train against this policy's head, whatever the drafter was bound to before
+        weight = next(drafter.parameters())
+        if weight.device != self.target.device or weight.dtype != self.target.dtype:
+            raise ValueError(
+                f"Drafter is on {weight.device}/{weight.dtype} but the policy on {self.target.device}/"
+                f"{self.target.dtype}: call drafter.to(device=..., dtype=...) to match."
+            )
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay)
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
         self.step = 0
 
     @torch.no_grad()
-    def _features(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.target.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-        return out.last_hidden_state.detach()
+    def _features(self, ids: torch.Tensor, mask: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+        """The policy's final hidden states for every sequence: one no-grad forward, reused by every epoch."""
+        out = []
+        for start in range(0, ids.shape[0], chunk):
+            rows_ids, rows_mask = ids[start : start + chunk], mask[start : start + chunk]
+            positions = (rows_mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.target.decoder(input_ids=rows_ids, attention_mask=rows_mask, position_ids=positions,
+                                         use_cache=False).last_hidden_state
+            out.append(hidden.detach())
+        return torch.cat(out)
 
     def _loss(self, hidden, ids, mask) -> tuple[torch.Tensor, dict]:
         """Loss on one micro-batch of sequences [b, L] with features [b, L, H]."""
@@ -62,10 +74,8 @@ class DrafterTrainer:
         predicted = drafter(inputs, next_tokens, positions, attn)
         target_feature = hidden[:, 1:]
         with torch.no_grad():
-            policy_logits = self.target.logits(target_feature)
-            if drafter.d2t is not None:
-                policy_logits = policy_logits[..., drafter.d2t]
-            policy_probs = policy_logits.softmax(-1)
+            # The policy's next-token law restricted to the draft vocabulary: what the drafter can propose.
+            policy_probs = drafter.logits(target_feature).softmax(-1)
         draft_logp = drafter.logits(predicted).log_softmax(-1)
         weight = valid.to(inputs.dtype)
         count = weight.sum().clamp(min=1)
@@ -95,6 +105,7 @@ class DrafterTrainer:
         start = time.perf_counter()
         if max_steps is None and max_seconds is None and should_stop is None:
             max_steps = -(-input_ids.shape[0] // self.micro_batch_size)
+        features = self._features(input_ids, mask)
         order = torch.randperm(input_ids.shape[0])
         cursor, steps, metrics = 0, 0, {}
         self.drafter.train()
@@ -110,8 +121,7 @@ class DrafterTrainer:
             rows = order[cursor : cursor + self.micro_batch_size].to(device)
             cursor += self.micro_batch_size
             ids, m = input_ids[rows], mask[rows]
-            hidden = self._features(ids, m)
-            loss, metrics = self._loss(hidden, ids, m)
+            loss, metrics = self._loss(features[rows], ids, m)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)

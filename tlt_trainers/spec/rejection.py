@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample_categorical, uniform
+from .sampling import inverse_cdf, uniform
 
 
 @dataclass
@@ -55,13 +55,31 @@ def verify_sampled(
         draft_index: [B, k] the drafts' ids in the draft vocabulary (required with ``draft_to_target``).
     """
     batch, k = draft_tokens.shape
+    uniforms = uniform((batch, k), target_probs.device, generator)
+    residual_uniforms = uniform((batch,), target_probs.device, generator)
+    return verify_sampled_with_uniforms(draft_tokens, draft_probs, target_probs, uniforms, residual_uniforms,
+                                        draft_to_target, draft_index)
+
+
+def verify_sampled_with_uniforms(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    residual_uniforms: torch.Tensor,
+    draft_to_target: torch.Tensor | None = None,
+    draft_index: torch.Tensor | None = None,
+) -> ChainVerdict:
+    """:func:`verify_sampled` with its randomness passed in: ``uniforms`` [B, k] decide acceptance (draft j is
+    kept when ``uniforms[:, j] * q < p``) and ``residual_uniforms`` [B] pick the next token by inverse CDF.
+    """
+    batch, k = draft_tokens.shape
     if draft_to_target is not None and draft_index is None:
         raise ValueError("verify_sampled needs draft_index when a draft vocabulary is used.")
     q_index = draft_tokens if draft_to_target is None else draft_index
     p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
     q_draft = draft_probs.gather(2, q_index[..., None]).squeeze(2)
-    u = uniform((batch, k), target_probs.device, generator)
-    num_accepted = leading_true(u * q_draft < p_draft)
+    num_accepted = leading_true(uniforms.to(target_probs.device) * q_draft < p_draft)
 
     rows = torch.arange(batch, device=target_probs.device)
     p_next = target_probs[rows, num_accepted]  # [B, V]
@@ -76,5 +94,5 @@ def verify_sampled(
     # up to rounding, p and q agree and p itself is the right distribution.
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual, p_next)
-    next_token = sample_categorical(residual, generator)
+    next_token = inverse_cdf(residual, residual_uniforms)
     return ChainVerdict(num_accepted, next_token)

@@ -19,28 +19,47 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-# generate() keys that change what is sampled and that the engine does not reproduce.
+def _above(limit):
+    return lambda value: value is not None and value > limit
+
+
+def _set(value) -> bool:
+    return value is not None
+
+
+def _nonempty(value) -> bool:
+    return value is not None and len(value) > 0
+
+
+def _open_unit(value) -> bool:
+    return value is not None and 0.0 < value < 1.0
+
+
+# generate() settings that change what is sampled and that the engine does not reproduce: for each, when
+# ``GenerationMixin._get_logits_processor`` (or the decoding mode) makes it take effect, and the value that
+# switches it off. None means "not set" in every transformers release we support.
 _UNSUPPORTED_GENERATION_KEYS = {
-    "num_beams": 1,
-    "num_return_sequences": 1,
-    "no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "encoder_repetition_penalty": 1.0,
-    "exponential_decay_length_penalty": None,
-    "guidance_scale": None,
-    "top_h": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "renormalize_logits": False,
-    "remove_invalid_values": False,
+    "num_beams": (_above(1), 1),
+    "num_return_sequences": (_above(1), 1),
+    "no_repeat_ngram_size": (_above(0), 0),
+    "bad_words_ids": (_nonempty, None),
+    "min_length": (_above(0), 0),
+    "min_new_tokens": (_above(0), None),
+    "forced_bos_token_id": (_set, None),
+    "forced_eos_token_id": (_set, None),
+    "suppress_tokens": (_nonempty, None),
+    "begin_suppress_tokens": (_nonempty, None),
+    "sequence_bias": (_nonempty, None),
+    "encoder_repetition_penalty": (lambda v: v is not None and v != 1.0, 1.0),
+    "exponential_decay_length_penalty": (_set, None),
+    "guidance_scale": (lambda v: v is not None and v != 1, None),
+    "watermarking_config": (_set, None),
+    "top_h": (_set, None),
+    "typical_p": (lambda v: v is not None and v < 1.0, 1.0),
+    "epsilon_cutoff": (_open_unit, 0.0),
+    "eta_cutoff": (_open_unit, 0.0),
+    "renormalize_logits": (lambda v: v is True, False),
+    "remove_invalid_values": (lambda v: v is True, False),
 }
 
 
@@ -93,9 +112,9 @@ def check_generation_config(generation_config) -> None:
     """Refuse a model whose generation_config would make ``generate`` apply processors we do not mirror."""
     if generation_config is None:
         return
-    for key, neutral in _UNSUPPORTED_GENERATION_KEYS.items():
-        value = getattr(generation_config, key, neutral)
-        if value is not None and value != neutral and not (neutral is None and value in ([], 0)):
+    for key, (takes_effect, neutral) in _UNSUPPORTED_GENERATION_KEYS.items():
+        value = getattr(generation_config, key, None)
+        if takes_effect(value):
             raise ValueError(
                 f"The model's generation_config sets {key}={value!r}, which SpeculativeGenerator does not "
                 f"reproduce; set model.generation_config.{key} = {neutral!r} (and pass it to model.generate "
@@ -139,11 +158,14 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     The uniforms come from ``generator`` on its own device, so a CPU generator drives a CUDA run
     reproducibly.
     """
+    return inverse_cdf(probs, uniform((probs.shape[0],), probs.device, generator))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of ``probs`` [N, V] (unnormalised) at which the CDF first exceeds ``u`` [N] in [0, 1)."""
     cdf = probs.to(torch.float32).cumsum(-1)
     total = cdf[:, -1:]
-    gen_device = generator.device if generator is not None else cdf.device
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=gen_device).to(cdf.device)
-    index = torch.searchsorted(cdf, u * total, right=True)
+    index = torch.searchsorted(cdf, u.to(cdf.device, torch.float32)[:, None] * total, right=True)
     return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
