@@ -125,3 +125,21 @@ def test_policy_parameters_bit_identical_after_generation(trained):
         generator=torch.Generator().manual_seed(0))
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_special_tokens_and_mask_default_like_generate():
+    """Unset eos comes from generation_config and a missing attention_mask is inferred from padding."""
+    model = tiny_model("llama", logit_scale=4.0)
+    ids, mask = padded_prompts([4, 6], seed=12)
+    free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=PAD,
+                          eos_token_id=None)
+    model.generation_config.eos_token_id = int(free[0, ids.shape[1] + 3])
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    ours = engine.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+    reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+    assert torch.equal(ours.sequences, reference)
+    model.generation_config.eos_token_id = EOS
+    ids, _ = padded_prompts([2, 6], seed=12)
+    ours = engine.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS)
+    reference = model.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS)
+    assert torch.equal(ours.sequences, reference)

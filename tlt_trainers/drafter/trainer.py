@@ -107,7 +107,8 @@ class DrafterTrainer:
             max_steps = -(-input_ids.shape[0] // self.micro_batch_size)
         features = self._features(input_ids, mask)
         order = torch.randperm(input_ids.shape[0])
-        cursor, steps, metrics = 0, 0, {}
+        cursor, steps = 0, 0
+        metrics = {"loss": float("nan"), "feature_loss": float("nan"), "token_loss": float("nan"), "top1": float("nan")}
         self.drafter.train()
         while True:
             if max_steps is not None and steps >= max_steps:

@@ -67,6 +67,14 @@ def _left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     return pad
 
 
+def _infer_attention_mask(input_ids: torch.Tensor, pad_token_id: int, eos_token_id) -> torch.Tensor:
+    """generate()'s rule: padding is where pad tokens are, unless pad doubles as EOS."""
+    eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    if pad_token_id in eos or not (input_ids == pad_token_id).any():
+        return torch.ones_like(input_ids)
+    return (input_ids != pad_token_id).to(torch.long)
+
+
 def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
     if eos_token_id is None:
         return None
@@ -126,14 +134,20 @@ class SpeculativeGenerator:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
         params = SamplingParams(do_sample, temperature, top_k, top_p, min_p, repetition_penalty)
-        check_generation_config(getattr(self.model, "generation_config", None))
+        generation_config = getattr(self.model, "generation_config", None)
+        check_generation_config(generation_config)
+        # Like generate(): unset special tokens come from the model's generation_config.
+        if eos_token_id is None and generation_config is not None:
+            eos_token_id = generation_config.eos_token_id
+        if pad_token_id is None and generation_config is not None:
+            pad_token_id = generation_config.pad_token_id
         if pad_token_id is None:
             if eos_token_id is None:
                 raise ValueError("Pass pad_token_id (or eos_token_id, which is then used for padding, as in generate).")
             pad_token_id = eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
         input_ids = input_ids.to(self.target.device)
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = _infer_attention_mask(input_ids, pad_token_id, eos_token_id)
         attention_mask = attention_mask.to(self.target.device)
         pad = _left_padding(attention_mask)
         return _Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),

@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+
 def _above(limit):
     return lambda value: value is not None and value > limit
 
