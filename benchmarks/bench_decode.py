@@ -34,7 +34,7 @@ def parse_args():
     p.add_argument("--batch-sizes", default=None, help="comma separated, default 1,4,16,64 (quick: 1,4,16)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 32)")
     p.add_argument("--k", type=int, default=4, help="draft chain length")
-    p.add_argument("--reps", type=int, default=1, help="interleaved repetitions per setting")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions per setting, default 2 (quick: 1)")
     p.add_argument("--train-seconds", type=float, default=None, help="drafter warm-up budget, default 240 (quick 60)")
     p.add_argument("--warmup-prompts", type=int, default=None, help="prompts answered for warm-up, default 96")
     p.add_argument("--draft-vocab", type=int, default=4096)
@@ -44,6 +44,7 @@ def parse_args():
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 64)
     args.train_seconds = args.train_seconds if args.train_seconds is not None else (60 if args.quick else 240)
     args.warmup_prompts = args.warmup_prompts or (32 if args.quick else 96)
+    args.reps = args.reps or (1 if args.quick else 2)
     return args
 
 

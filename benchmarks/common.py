@@ -43,7 +43,7 @@ def completion_mask(sequences: torch.Tensor, prompt_len: int, pad_token_id: int,
     return (ended_before == 0).to(torch.long)
 
 
-def sample_answers(model, tokenizer, prompts, max_new_tokens, temperature, seed, batch_size=32):
+def sample_answers(model, tokenizer, prompts, max_new_tokens, temperature, seed, batch_size=48):
     """The policy's own answers (prompt + completion + masks), sampled with the plain engine."""
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -146,7 +146,7 @@ def test_policy_embedding_and_head_are_held_by_reference(kind):
     assert own and not any(t.data_ptr() in policy_ptrs for t in own)
     names = list(drafter.state_dict())
     assert not any("embed" in n or "lm_head" in n or n.startswith("_target") for n in names), names
-    own_modules = ("fc.", "input_norm.", "attn.", "post_attention_norm.", "mlp.")
+    own_modules = ("fc.", "input_layernorm.", "self_attn.", "post_attention_layernorm.", "mlp.")
     assert all(n.startswith(own_modules) for n, _ in drafter.named_parameters())
     assert not any(m is embed or m is head for m in drafter.modules())
 
@@ -340,8 +340,8 @@ def test_config_not_json(saved):
 
 
 def test_weights_missing_a_tensor(saved):
-    _edit_weights(saved, lambda state: state.pop("fc.bias"))
-    with pytest.raises(ValueError, match=r"do not match its config \(missing \['fc\.bias'\], unexpected \[\]\)"):
+    _edit_weights(saved, lambda state: state.pop("fc.weight"))
+    with pytest.raises(ValueError, match=r"do not match its config \(missing \['fc\.weight'\], unexpected \[\]\)"):
         EagleDrafter.from_pretrained(saved)
 
 
@@ -358,8 +358,8 @@ def test_weights_with_a_policy_tensor(saved):
 
 
 def test_weights_of_the_wrong_shape(saved):
-    _edit_weights(saved, lambda state: state.update({"fc.bias": torch.zeros(7)}))
-    with pytest.raises(ValueError, match=r"(?s)do not match its config: .*size mismatch for fc\.bias"):
+    _edit_weights(saved, lambda state: state.update({"fc.weight": torch.zeros(7)}))
+    with pytest.raises(ValueError, match=r"(?s)do not match its config: .*size mismatch for fc\.weight"):
         EagleDrafter.from_pretrained(saved)
 
 

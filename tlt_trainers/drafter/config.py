@@ -23,12 +23,14 @@ class EagleDrafterConfig:
     draft_vocab_size: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    fc_bias: bool = False
+    input_layernorm: bool = False
     final_logit_softcapping: float | None = None
     logit_scale: float = 1.0
     target_model_type: str | None = None
     target_name_or_path: str | None = None
     architecture: str = "EagleDrafter"
-    format_version: int = 1
+    format_version: int = 2
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:

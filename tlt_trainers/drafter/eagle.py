@@ -103,10 +103,12 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.input_norm = RMSNorm(h, config.rms_norm_eps)
-        self.attn = DrafterAttention(config)
-        self.post_attention_norm = RMSNorm(h, config.rms_norm_eps)
+        # Module names and the optional norm follow EAGLE-1 as vLLM and SGLang load it (llama_eagle): the
+        # first layer has no input norm, fc has no bias, and the layer's output feeds the LM head directly.
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps) if config.input_layernorm else nn.Identity()
+        self.self_attn = DrafterAttention(config)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = DrafterMLP(config)
         if config.uses_draft_vocab:
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
@@ -226,8 +228,8 @@ class EagleDrafter(nn.Module):
         if mask is None and kv is None:
             q = x.shape[1]
             mask = torch.full((q, q), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
-        x = x + self.attn(self.input_norm(x), positions, mask, kv, slots, kv_len)
-        return x + self.mlp(self.post_attention_norm(x))
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask, kv, slots, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
