@@ -61,21 +61,29 @@ class DrafterAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
 
-    def forward(self, x, positions, mask, kv: RowKV | None = None, slots=None, kv_len=None):
+    def project(self, x, positions):
+        """Rotated queries [B, heads, q, D] and keys/values [B, kv_heads, q, D]."""
         b, q, _ = x.shape
         query = self.q_proj(x).view(b, q, self.heads, self.head_dim).transpose(1, 2)
         key = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary(positions, self.head_dim, self.theta, x.dtype)
-        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
-        if kv is not None:
-            key, value = kv.write(key, value, slots, kv_len)
+        return rotate(query, cos, sin), rotate(key, cos, sin), value
+
+    def attend(self, query, key, value, mask):
         if self.kv_heads != self.heads:
             repeat = self.heads // self.kv_heads
             key = key.repeat_interleave(repeat, dim=1)
             value = value.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        b, _, q, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+
+    def forward(self, x, positions, mask, kv: RowKV | None = None, slots=None, kv_len=None):
+        query, key, value = self.project(x, positions)
+        if kv is not None:
+            key, value = kv.write(key, value, slots, kv_len)
+        return self.attend(query, key, value, mask)
 
 
 class DrafterMLP(nn.Module):
@@ -230,6 +238,40 @@ class EagleDrafter(nn.Module):
             mask = torch.full((q, q), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
         x = x + self.self_attn(self.input_layernorm(x), positions, mask, kv, slots, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_unrolled(self, hidden, next_tokens, positions, valid, depth: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): predictions [B, L, H] at each of ``depth`` chained draft steps.
+
+        Step 0 reads the policy's features. Step d at position t reads step d-1's prediction at t-1 in place
+        of the real feature, and attends, as at inference, to real-feature keys up to t-d and to the keys of
+        the steps before it on its own diagonal (positions t-d+1 .. t). ``valid`` [B, L] marks real pairs.
+        """
+        batch, length, _ = hidden.shape
+        device, dtype = hidden.device, hidden.dtype
+        embedded = self.embed(next_tokens).to(dtype)
+        idx = torch.arange(length, device=device)
+        minimum = torch.finfo(dtype).min
+        keys, values, outputs = [], [], []
+        features = hidden
+        for step in range(depth):
+            if step > 0:  # shift: position t reads the previous step's prediction made at t-1
+                features = torch.cat([hidden[:, :1], outputs[-1][:, :-1]], dim=1)
+            x = self.fc(torch.cat([embedded, features], dim=-1))
+            query, key, value = self.self_attn.project(self.input_layernorm(x), positions)
+            keys.append(key)
+            values.append(value)
+            # Real keys s <= t - step (s <= t for step 0), then step j's key at t - step + j on the diagonal.
+            blocks = [(idx[None, :] <= idx[:, None] - step) & valid[:, None, :]]
+            for j in range(1, step + 1):
+                blocks.append((idx[None, :] == idx[:, None] - step + j).expand(batch, -1, -1))
+            allowed = torch.cat(blocks, dim=-1)
+            own = torch.zeros_like(allowed)
+            own[:, idx, step * length + idx] = True  # a query always sees itself: no empty softmax rows
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~(allowed | own), minimum)
+            attn = self.self_attn.attend(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask[:, None])
+            x = x + attn
+            outputs.append(x + self.mlp(self.post_attention_layernorm(x)))
+        return outputs
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""

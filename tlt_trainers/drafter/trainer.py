@@ -2,25 +2,51 @@
 
 Loss per position t (EAGLE): SmoothL1 between the drafter's predicted feature and the policy's
 h_{t+1}, plus soft cross-entropy of the drafter's token distribution against the policy's
-next-token distribution at t+1. Only the drafter's own parameters are optimised; the policy
-runs under no_grad and its embedding and head are read, never written.
+next-token distribution at t+1. With ``unroll_steps > 1`` the same loss is applied to chained
+steps that read the drafter's own predictions (EAGLE-3's training-time test), so later draft
+positions stay accurate. Only the drafter's own parameters are optimised; the policy runs under
+no_grad and its embedding and head are read, never written.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from ..rollout.target import TargetModel
+from .buffer import BufferedSequence, FeatureBuffer
+from .config import WEIGHTS_NAME
 from .eagle import EagleDrafter
+
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+def estimated_acceptance_length(agreement_by_step: list[float], chain_length: int) -> float:
+    """Expected tokens per policy forward for a greedy chain of ``chain_length`` drafts.
+
+    ``agreement_by_step[d]`` is the top-1 agreement of draft step d given earlier steps were right;
+    steps past the measured ones reuse the last measured value.
+    """
+    if not agreement_by_step:
+        return 1.0
+    total, survive = 1.0, 1.0
+    for step in range(chain_length):
+        survive *= agreement_by_step[min(step, len(agreement_by_step) - 1)]
+        total += survive
+    return total
 
 
 class DrafterTrainer:
-    """Trains an :class:`EagleDrafter` on token sequences sampled from its policy."""
+    """Trains an :class:`EagleDrafter` on rollouts of its policy, kept in a bounded :class:`FeatureBuffer`."""
 
     def __init__(
         self,
@@ -32,7 +58,15 @@ class DrafterTrainer:
         token_weight: float = 0.1,
         micro_batch_size: int = 8,
         max_grad_norm: float = 0.5,
+        unroll_steps: int = 1,
+        unroll_decay: float = 0.8,
+        buffer_bytes: int = 512 << 20,
+        max_tokens_per_sequence: int = 1024,
+        show_progress: bool = False,
+        seed: int = 0,
     ):
+        if unroll_steps < 1:
+            raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
         self.drafter, self.model = drafter, model
         self.target = TargetModel(model)
         if drafter._target is None or drafter.target.head is not model.get_output_embeddings():
@@ -43,48 +77,182 @@ class DrafterTrainer:
                 f"Drafter is on {weight.device}/{weight.dtype} but the policy on {self.target.device}/"
                 f"{self.target.dtype}: call drafter.to(device=..., dtype=...) to match."
             )
+        self.lr = lr
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay)
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
+        self.unroll_steps, self.unroll_decay = unroll_steps, unroll_decay
+        self.buffer = FeatureBuffer(buffer_bytes, max_tokens_per_sequence)
+        self.show_progress = show_progress
+        self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
 
+    # ------------------------------------------------------------------ data in
     @torch.no_grad()
-    def _features(self, ids: torch.Tensor, mask: torch.Tensor, chunk: int = 8) -> torch.Tensor:
-        """The policy's final hidden states for every sequence: one no-grad forward, reused by every epoch."""
-        out = []
-        for start in range(0, ids.shape[0], chunk):
-            rows_ids, rows_mask = ids[start : start + chunk], mask[start : start + chunk]
-            positions = (rows_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = self.target.decoder(input_ids=rows_ids, attention_mask=rows_mask, position_ids=positions,
+    def add_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk: int = 8) -> int:
+        """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer."""
+        device = self.target.device
+        input_ids = input_ids.to(device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+        added = 0
+        for start in range(0, input_ids.shape[0], chunk):
+            ids, m = input_ids[start : start + chunk], mask[start : start + chunk]
+            positions = (m.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.target.decoder(input_ids=ids, attention_mask=m, position_ids=positions,
                                          use_cache=False).last_hidden_state
-            out.append(hidden.detach())
-        return torch.cat(out)
+            for row in range(ids.shape[0]):
+                keep = m[row].bool()
+                tokens = ids[row][keep]
+                if tokens.numel() >= 2:
+                    self.buffer.add(tokens, hidden[row][keep][:-1])
+                    added += 1
+        return added
 
-    def _loss(self, hidden, ids, mask) -> tuple[torch.Tensor, dict]:
-        """Loss on one micro-batch of sequences [b, L] with features [b, L, H]."""
+    def add_features(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Add one rollout whose features the engine's verify passes already computed (no extra forward)."""
+        self.buffer.add(tokens, features)
+
+    def rebuild_draft_vocab(self) -> torch.Tensor | None:
+        """Draft over the most frequent tokens seen so far (no-op for a full-vocabulary drafter)."""
+        if not self.drafter.config.uses_draft_vocab:
+            return None
+        ids = self.buffer.most_frequent(self.drafter.draft_vocab_size, self.drafter.config.vocab_size)
+        self.drafter.set_draft_vocab(ids)
+        return self.drafter.d2t
+
+    # ------------------------------------------------------------------ training
+    def _batch(self, sequences: list[BufferedSequence]):
+        device = self.target.device
+        length = max(seq.features.shape[0] for seq in sequences)
+        hidden_size = sequences[0].features.shape[1]
+        hidden = torch.zeros(len(sequences), length, hidden_size, dtype=self.target.dtype, device=device)
+        tokens = torch.zeros(len(sequences), length + 1, dtype=torch.long, device=device)
+        lengths = torch.tensor([seq.features.shape[0] for seq in sequences], device=device)
+        for row, seq in enumerate(sequences):
+            n = seq.features.shape[0]
+            hidden[row, :n] = seq.features.to(device)
+            tokens[row, : n + 1] = seq.tokens.to(device)
+        return hidden, tokens, lengths
+
+    def _loss(self, hidden, tokens, lengths) -> tuple[torch.Tensor, dict]:
+        """Loss on one micro-batch: features [b, L, H], tokens [b, L + 1], real lengths [b]."""
         drafter = self.drafter
-        inputs, next_tokens = hidden[:, :-1], ids[:, 1:]
-        valid = (mask[:, :-1] * mask[:, 1:]).bool()  # h_t and x_{t+1} are real tokens
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, :-1]
-        length = inputs.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        allowed = causal[None] & valid[:, None, :] | torch.eye(length, dtype=torch.bool, device=ids.device)[None]
-        attn = torch.zeros(allowed.shape, dtype=inputs.dtype, device=ids.device)
-        attn = attn.masked_fill(~allowed, torch.finfo(inputs.dtype).min)[:, None]
-        predicted = drafter(inputs, next_tokens, positions, attn)
-        target_feature = hidden[:, 1:]
+        length = hidden.shape[1]
+        idx = torch.arange(length, device=hidden.device)
+        valid = idx[None] < lengths[:, None]  # pair (h_t, x_{t+1}) exists
+        has_target = idx[None] + 1 < lengths[:, None]  # h_{t+1} exists to be predicted
+        positions = idx.expand(hidden.shape[0], -1)
+        outputs = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, self.unroll_steps)
+        target_feature = torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1)
         with torch.no_grad():
             # The policy's next-token law restricted to the draft vocabulary: what the drafter can propose.
             policy_probs = drafter.logits(target_feature).softmax(-1)
-        draft_logp = drafter.logits(predicted).log_softmax(-1)
-        weight = valid.to(inputs.dtype)
-        count = weight.sum().clamp(min=1)
-        feature_loss = (F.smooth_l1_loss(predicted, target_feature, reduction="none").mean(-1) * weight).sum() / count
-        token_loss = (-(policy_probs * draft_logp).sum(-1) * weight).sum() / count
-        loss = self.feature_weight * feature_loss + self.token_weight * token_loss
-        agree = ((draft_logp.argmax(-1) == policy_probs.argmax(-1)).to(inputs.dtype) * weight).sum() / count
-        return loss, {"loss": loss.item(), "feature_loss": feature_loss.item(), "token_loss": token_loss.item(),
-                      "top1": agree.item()}
+            policy_top1 = policy_probs.argmax(-1)
+        loss, metrics, agreement = 0.0, {}, []
+        for step, predicted in enumerate(outputs):
+            weight = (has_target & (idx[None] >= step)).to(hidden.dtype)
+            count = weight.sum().clamp(min=1)
+            feature_loss = (F.smooth_l1_loss(predicted, target_feature, reduction="none").mean(-1) * weight).sum()
+            draft_logp = drafter.logits(predicted).log_softmax(-1)
+            token_loss = (-(policy_probs * draft_logp).sum(-1) * weight).sum()
+            step_loss = (self.feature_weight * feature_loss + self.token_weight * token_loss) / count
+            loss = loss + (self.unroll_decay**step) * step_loss
+            agree = ((draft_logp.argmax(-1) == policy_top1).to(hidden.dtype) * weight).sum() / count
+            agreement.append(agree.item())
+            if step == 0:
+                metrics = {"feature_loss": (feature_loss / count).item(), "token_loss": (token_loss / count).item()}
+        metrics.update(loss=loss.item(), top1=agreement[0], top1_by_step=agreement)
+        return loss, metrics
+
+    def train(
+        self,
+        max_steps: int | None = None,
+        max_seconds: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> dict:
+        """Micro-steps on the buffer until a budget runs out or ``should_stop()`` (checked between micro-steps).
+
+        With no budget at all, one pass's worth of micro-steps over the buffer. Returns metrics averaged over
+        the micro-steps of this call: loss, top-1 agreement with the policy (per unrolled step), the
+        estimated acceptance length of a 4-token chain, ``steps`` and ``seconds``.
+        """
+        start = time.perf_counter()
+        if len(self.buffer) == 0:
+            raise ValueError("The drafter's buffer is empty: add rollouts with add_sequences() or add_features().")
+        if max_steps is None and max_seconds is None and should_stop is None:
+            max_steps = -(-len(self.buffer) // self.micro_batch_size)
+        progress = None
+        if self.show_progress:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=max_steps, desc="drafter", unit="step")
+        sums: dict[str, float] = {}
+        agreement_sums = [0.0] * self.unroll_steps
+        steps = 0
+        self.drafter.train()
+        try:
+            while True:
+                if max_steps is not None and steps >= max_steps:
+                    break
+                if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+                    break
+                if should_stop is not None and should_stop():
+                    break
+                count = min(self.micro_batch_size, len(self.buffer))
+                hidden, tokens, lengths = self._batch(self.buffer.sample(count, self.generator))
+                loss, metrics = self._loss(hidden, tokens, lengths)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
+                self.optimizer.step()
+                steps += 1
+                self.step += 1
+                for key in ("loss", "feature_loss", "token_loss", "top1"):
+                    sums[key] = sums.get(key, 0.0) + metrics[key]
+                for d, value in enumerate(metrics["top1_by_step"]):
+                    agreement_sums[d] += value
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
+        finally:
+            self.drafter.eval()
+            if progress is not None:
+                progress.close()
+        nan = float("nan")
+        result = {key: (sums[key] / steps if steps else nan) for key in ("loss", "feature_loss", "token_loss", "top1")}
+        agreement = [value / steps for value in agreement_sums] if steps else []
+        result.update(
+            top1_by_step=agreement,
+            estimated_acceptance_length=estimated_acceptance_length(agreement, 4) if steps else nan,
+            steps=steps,
+            total_steps=self.step,
+            seconds=time.perf_counter() - start,
+            buffer_sequences=len(self.buffer),
+            buffer_bytes=self.buffer.nbytes,
+        )
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[BufferedSequence] | None = None) -> dict:
+        """Loss and agreement of the drafter on ``sequences`` (default: the whole buffer), without training."""
+        sequences = list(self.buffer.sequences) if sequences is None else sequences
+        if not sequences:
+            raise ValueError("Nothing to evaluate: the buffer is empty.")
+        was_training = self.drafter.training
+        self.drafter.eval()
+        totals, agreement, batches = {}, [0.0] * self.unroll_steps, 0
+        for start in range(0, len(sequences), self.micro_batch_size):
+            _, metrics = self._loss(*self._batch(sequences[start : start + self.micro_batch_size]))
+            for key in ("loss", "feature_loss", "token_loss", "top1"):
+                totals[key] = totals.get(key, 0.0) + metrics[key]
+            for d, value in enumerate(metrics["top1_by_step"]):
+                agreement[d] += value
+            batches += 1
+        self.drafter.train(was_training)
+        result = {key: value / batches for key, value in totals.items()}
+        result["top1_by_step"] = [value / batches for value in agreement]
+        result["estimated_acceptance_length"] = estimated_acceptance_length(result["top1_by_step"], 4)
+        return result
 
     def train_on_sequences(
         self,
@@ -94,40 +262,50 @@ class DrafterTrainer:
         max_seconds: float | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> dict:
-        """Train on sequences [N, L] (prompt + completion, padded) until a budget or ``should_stop()``.
+        """Add [N, L] sequences (prompt + completion, padded; one no-grad forward) and train on the buffer.
 
-        With neither budget the data is used for one epoch. Returns the last micro-step's metrics plus
-        ``steps`` and ``seconds``.
+        ``max_seconds`` counts the forward too. With no budget, one pass's worth of micro-steps.
         """
-        device = self.target.device
-        input_ids = input_ids.to(device)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
         start = time.perf_counter()
-        if max_steps is None and max_seconds is None and should_stop is None:
-            max_steps = -(-input_ids.shape[0] // self.micro_batch_size)
-        features = self._features(input_ids, mask)
-        order = torch.randperm(input_ids.shape[0])
-        cursor, steps = 0, 0
-        metrics = {"loss": float("nan"), "feature_loss": float("nan"), "token_loss": float("nan"), "top1": float("nan")}
-        self.drafter.train()
-        while True:
-            if max_steps is not None and steps >= max_steps:
-                break
-            if max_seconds is not None and time.perf_counter() - start >= max_seconds:
-                break
-            if should_stop is not None and should_stop():
-                break
-            if cursor >= len(order):
-                order, cursor = torch.randperm(input_ids.shape[0]), 0
-            rows = order[cursor : cursor + self.micro_batch_size].to(device)
-            cursor += self.micro_batch_size
-            ids, m = input_ids[rows], mask[rows]
-            loss, metrics = self._loss(features[rows], ids, m)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
-            self.optimizer.step()
-            steps += 1
-            self.step += 1
-        self.drafter.eval()
-        return {**metrics, "steps": steps, "seconds": time.perf_counter() - start}
+        self.add_sequences(input_ids, attention_mask)
+        if max_seconds is not None:
+            max_seconds = max(0.0, max_seconds - (time.perf_counter() - start))
+        return self.train(max_steps=max_steps, max_seconds=max_seconds, should_stop=should_stop)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Drafter (weights + draft vocabulary), optimizer and step: everything needed to resume exactly."""
+        path = Path(directory)
+        self.drafter.save_pretrained(path)
+        torch.save(self.optimizer.state_dict(), path / OPTIMIZER_STATE)
+        state = {"format": 1, "step": self.step, "lr": self.lr, "unroll_steps": self.unroll_steps,
+                 "drafter_config": self.drafter.config.to_dict()}
+        (path / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; any mismatch or corruption is an error."""
+        path = Path(directory)
+        state_file = path / TRAINER_STATE
+        try:
+            state = json.loads(state_file.read_text())
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"No drafter trainer checkpoint at {path} ({TRAINER_STATE} is missing).") from err
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{state_file} is corrupt ({err}); restore it or start from another checkpoint.") from err
+        saved, ours = state.get("drafter_config", {}), self.drafter.config.to_dict()
+        keys = (set(saved) | set(ours)) - {"target_name_or_path"}
+        differing = sorted(k for k in keys if saved.get(k) != ours.get(k))
+        if differing:
+            raise ValueError(
+                f"The drafter checkpoint at {path} was made for another drafter (fields differ: {differing}); "
+                "resume with the same drafter settings, or load it with EagleDrafter.from_pretrained."
+            )
+        try:
+            weights = load_file(str(path / WEIGHTS_NAME))
+            self.drafter.load_state_dict({k: v.to(self.target.device) for k, v in weights.items()})
+            optimizer_state = torch.load(path / OPTIMIZER_STATE, map_location=self.target.device, weights_only=True)
+            self.optimizer.load_state_dict(optimizer_state)
+        except (FileNotFoundError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
+            raise ValueError(f"The drafter checkpoint at {path} is incomplete or corrupt: {err}") from err
+        self.drafter._head_cache = None
+        self.step = int(state["step"])

@@ -10,6 +10,7 @@ size. With ``speculation="never"`` the same engine decodes one token per step: t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -122,8 +123,15 @@ class SpeculativeGenerator:
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        feature_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         **unsupported,
     ) -> GenerationResult:
+        """Sample completions exactly as ``model.generate`` with the same settings would.
+
+        ``feature_sink(tokens [L + 1], features [L, H])`` receives each finished row (prompt and completion)
+        with the policy's hidden states from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
+        drafter trains on fresh rollouts without another policy forward.
+        """
         if unsupported:
             raise TypeError(
                 f"SpeculativeGenerator.generate does not support {sorted(unsupported)}; "
@@ -151,14 +159,14 @@ class SpeculativeGenerator:
         attention_mask = attention_mask.to(self.target.device)
         pad = _left_padding(attention_mask)
         return _Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),
-                        pad_token_id, generator).run()
+                        pad_token_id, generator, feature_sink).run()
 
 
 class _Rollout:
     """State and steps of one generate() call."""
 
     def __init__(self, engine: SpeculativeGenerator, input_ids, pad, params: SamplingParams, max_new_tokens: int,
-                 eos: torch.Tensor | None, pad_token_id: int, generator):
+                 eos: torch.Tensor | None, pad_token_id: int, generator, feature_sink=None):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
         self.config = engine.config
         self.params, self.warpers = params, params.warpers()
@@ -195,6 +203,7 @@ class _Rollout:
             draft_kv=self.drafter.new_kv(self.capacity) if use_drafter else None,
         )
         self.use_drafter = use_drafter
+        self.feature_sink = feature_sink
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
@@ -214,7 +223,7 @@ class _Rollout:
         return self.target.forward(tokens, positions, mask, rows.cache)
 
     def _store_features(self, hidden: torch.Tensor, slots: torch.Tensor) -> None:
-        if not self.use_drafter:
+        if not (self.use_drafter or self.feature_sink is not None):
             return
         rows = self.rows
         if rows.features is None:
@@ -382,6 +391,10 @@ class _Rollout:
             start = self.prompt_len
             self.completions[rows.index[i], :n] = rows.seq[i, start : start + n]
             self.lengths[rows.index[i]] = n
+            if self.feature_sink is not None:
+                pad = int(rows.state.pad[i])
+                # Features exist for every real token but the last (never fed back to the policy).
+                self.feature_sink(rows.seq[i, pad : start + n], rows.features[i, pad : start + n - 1])
         keep = (~finished).nonzero().squeeze(1)
         rows.select(keep)
 

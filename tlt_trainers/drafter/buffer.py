@@ -1,0 +1,92 @@
+"""A byte-capped buffer of recent rollouts: token ids and the policy's hidden states for them.
+
+Hidden states are big (a 32k-token answer of a 7B model is 256 MB in bf16), so the buffer keeps a
+window per sequence and evicts the oldest sequences once its byte cap is reached. It also counts
+token frequencies, from which the drafter's draft vocabulary is rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BufferedSequence:
+    tokens: torch.Tensor  # [L + 1]: tokens[t + 1] follows features[t]
+    features: torch.Tensor  # [L, H] the policy's final hidden states
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.numel() * self.tokens.element_size() + self.features.numel() * self.features.element_size()
+
+
+class FeatureBuffer:
+    """FIFO of :class:`BufferedSequence` bounded by ``max_bytes``; windows longer than ``max_tokens`` are cut."""
+
+    def __init__(self, max_bytes: int = 512 << 20, max_tokens: int = 2048, device: str | torch.device | None = None):
+        if max_bytes <= 0 or max_tokens < 2:
+            raise ValueError("FeatureBuffer needs max_bytes > 0 and max_tokens >= 2.")
+        self.max_bytes, self.max_tokens, self.device = max_bytes, max_tokens, device
+        self.sequences: deque[BufferedSequence] = deque()
+        self.nbytes = 0
+        self.token_counts: torch.Tensor | None = None
+        self.added_sequences = 0
+        self.evicted_sequences = 0
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.features.shape[0] for seq in self.sequences)
+
+    def add(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Add one sequence: ``tokens`` [L + 1] and ``features`` [L, H] (detached; stored on ``device``)."""
+        if tokens.dim() != 1 or features.dim() != 2 or tokens.shape[0] != features.shape[0] + 1:
+            raise ValueError(
+                f"FeatureBuffer.add needs tokens [L+1] and features [L, H]; got {tuple(tokens.shape)} and "
+                f"{tuple(features.shape)}."
+            )
+        if features.shape[0] == 0:
+            return
+        start = max(0, features.shape[0] - self.max_tokens)  # keep the most recent window of each sequence
+        device = self.device if self.device is not None else features.device
+        item = BufferedSequence(tokens[start:].detach().to(device), features[start:].detach().to(device))
+        self._count(item.tokens)
+        self.sequences.append(item)
+        self.nbytes += item.nbytes
+        self.added_sequences += 1
+        while self.nbytes > self.max_bytes and len(self.sequences) > 1:
+            old = self.sequences.popleft()
+            self.nbytes -= old.nbytes
+            self.evicted_sequences += 1
+
+    def _count(self, tokens: torch.Tensor) -> None:
+        size = int(tokens.max()) + 1
+        if self.token_counts is None or self.token_counts.numel() < size:
+            grown = torch.zeros(max(size, 1024), dtype=torch.long)
+            if self.token_counts is not None:
+                grown[: self.token_counts.numel()] = self.token_counts
+            self.token_counts = grown
+        self.token_counts += torch.bincount(tokens.cpu(), minlength=self.token_counts.numel())
+
+    def most_frequent(self, count: int, vocab_size: int) -> torch.Tensor:
+        """The ``count`` most frequent token ids seen (unseen ids, lowest first, fill the rest)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        if self.token_counts is not None:
+            n = min(vocab_size, self.token_counts.numel())
+            counts[:n] = self.token_counts[:n]
+        # Stable order: by count descending, then id ascending.
+        order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
+        return order[:count]
+
+    def sample(self, count: int, generator: torch.Generator | None = None) -> list[BufferedSequence]:
+        index = torch.randint(len(self.sequences), (count,), generator=generator)
+        return [self.sequences[i] for i in index.tolist()]
+
+    def clear(self) -> None:
+        self.sequences.clear()
+        self.nbytes = 0
