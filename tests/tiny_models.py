@@ -60,3 +60,17 @@ def padded_prompts(lengths: list[int], vocab_size: int = 64, seed: int = 0):
         ids[row, width - n :] = torch.randint(3, vocab_size, (n,), generator=gen)
         mask[row, width - n :] = 1
     return ids, mask
+
+
+def char_tokenizer(vocab_size: int = 64):
+    """A character-level fast tokenizer (offline): ids 0/1/2 are pad/eos/bos, then printable characters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,:;()ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: vocab_size - 3]
+    vocab = {"<pad>": PAD, "</s>": EOS, "<s>": BOS, **{c: i + 3 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                        bos_token="<s>", padding_side="left")
+    return tokenizer

@@ -1,0 +1,165 @@
+"""Warm-up: make a fresh drafter useful before RL starts, from the policy's own answers.
+
+Sample answers with the plain engine (sampled and greedy, as rollouts will be), feed the engine's
+hidden states straight into the trainer's buffer (no second forward), build the draft vocabulary
+from the tokens seen, train, and measure real acceptance before and after on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import TLTConfig
+from ..rollout.generator import SpeculativeGenerator
+from .eagle import EagleDrafter
+from .trainer import DrafterTrainer
+
+
+@dataclass
+class WarmupReport:
+    answer_tokens: int = 0
+    sampling_seconds: float = 0.0
+    training: dict = field(default_factory=dict)
+    acceptance_before: dict = field(default_factory=dict)
+    acceptance_after: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def reasoning_gym_prompts(tokenizer, count: int, task: str = "gsm_symbolic", seed: int = 0,
+                          suffix: str = " Think step by step.") -> list[str]:
+    """Chat-formatted questions from a reasoning-gym task (generated locally, offline)."""
+    try:
+        import reasoning_gym
+    except ImportError as err:
+        raise ImportError("reasoning-gym prompts need `pip install reasoning-gym` (or tlt-trainers[repro]).") from err
+    data = reasoning_gym.create_dataset(task, size=count, seed=seed)
+    return [chat_prompt(tokenizer, item["question"] + suffix) for item in data]
+
+
+def dataset_prompts(tokenizer, name_or_path: str, count: int, column: str = "prompt", split: str = "train",
+                    seed: int = 0) -> list[str]:
+    """Prompts from any `datasets` dataset with a text (or chat-messages) column."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("Prompts from a dataset need `pip install datasets`.") from err
+    data = datasets.load_dataset(name_or_path, split=split)
+    if column not in data.column_names:
+        raise ValueError(f"Dataset {name_or_path!r} has no column {column!r}; columns: {data.column_names}. "
+                         "Pass --prompt-column.")
+    data = data.shuffle(seed=seed).select(range(min(count, len(data))))
+    prompts = []
+    for value in data[column]:
+        if isinstance(value, list):  # conversational: a list of {"role", "content"} messages
+            prompts.append(tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True))
+        else:
+            prompts.append(chat_prompt(tokenizer, str(value)))
+    return prompts
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text
+
+
+def _special_tokens(tokenizer, model) -> tuple[int | list[int] | None, int]:
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.generation_config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
+    return eos, pad
+
+
+@torch.no_grad()
+def measure_acceptance(model, tokenizer, drafter: EagleDrafter, prompts: list[str], max_new_tokens: int = 64,
+                       num_speculative_tokens: int = 4, temperature: float = 0.0, batch_size: int = 4,
+                       seed: int = 0) -> dict:
+    """Real acceptance length of ``drafter`` on ``prompts`` (speculation always on)."""
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always",
+                                                            num_speculative_tokens=num_speculative_tokens))
+    eos, pad = _special_tokens(tokenizer, model)
+    emitted = forwards = 0
+    for start in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
+                              do_sample=temperature > 0, temperature=temperature or 1.0, eos_token_id=eos,
+                              pad_token_id=pad, generator=torch.Generator().manual_seed(seed + start))
+        emitted += res.stats.generated_tokens_in_steps
+        forwards += res.stats.row_forwards
+    return {"acceptance_length": emitted / max(forwards, 1), "temperature": temperature,
+            "num_speculative_tokens": num_speculative_tokens, "prompts": len(prompts)}
+
+
+def warmup_drafter(
+    model: nn.Module,
+    tokenizer,
+    prompts: list[str],
+    *,
+    drafter: EagleDrafter | None = None,
+    draft_vocab_size: int | None = 4096,
+    max_new_tokens: int = 192,
+    temperatures: tuple[float, ...] = (1.0, 0.0),
+    batch_size: int = 32,
+    train_seconds: float = 300.0,
+    unroll_steps: int = 2,
+    lr: float = 1e-3,
+    eval_prompts: list[str] | None = None,
+    eval_new_tokens: int = 48,
+    seed: int = 0,
+    show_progress: bool = True,
+    log=print,
+) -> tuple[EagleDrafter, WarmupReport]:
+    """Sample answers to ``prompts`` from the policy, train a drafter on them, report acceptance before/after.
+
+    The prompts are split evenly across ``temperatures`` (0.0 = greedy). Acceptance is measured greedily
+    and at temperature 1.0 on ``eval_prompts`` (none: skipped).
+    """
+    if not prompts:
+        raise ValueError("warmup_drafter needs at least one prompt.")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if drafter is None:
+        torch.manual_seed(seed)
+        size = draft_vocab_size if draft_vocab_size and draft_vocab_size < vocab else None
+        drafter = EagleDrafter.from_target(model, draft_vocab_size=size)
+    trainer = DrafterTrainer(drafter, model, lr=lr, unroll_steps=unroll_steps, show_progress=show_progress,
+                             seed=seed)
+    report = WarmupReport()
+
+    def measure() -> dict:
+        if not eval_prompts:
+            return {}
+        return {f"t{t:g}": measure_acceptance(model, tokenizer, drafter, eval_prompts, eval_new_tokens,
+                                              temperature=t, seed=seed) for t in (0.0, 1.0)}
+
+    report.acceptance_before = measure()
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never", show_progress=show_progress))
+    eos, pad = _special_tokens(tokenizer, model)
+    start = time.perf_counter()
+    shares = [prompts[i :: len(temperatures)] for i in range(len(temperatures))]
+    for temperature, share in zip(temperatures, shares):
+        for offset in range(0, len(share), batch_size):
+            enc = tokenizer(share[offset : offset + batch_size], return_tensors="pt", padding=True)
+            res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
+                                  do_sample=temperature > 0, temperature=temperature or 1.0, eos_token_id=eos,
+                                  pad_token_id=pad, generator=torch.Generator().manual_seed(seed + offset),
+                                  feature_sink=trainer.add_features)
+            report.answer_tokens += res.stats.generated_tokens
+    report.sampling_seconds = time.perf_counter() - start
+    log(f"sampled {report.answer_tokens} answer tokens from {len(prompts)} prompts in {report.sampling_seconds:.0f}s")
+    trainer.rebuild_draft_vocab()
+    report.training = trainer.train(max_seconds=train_seconds)
+    log(f"trained {report.training['steps']} steps in {report.training['seconds']:.0f}s: "
+        f"loss {report.training['loss']:.3f}, top-1 {report.training['top1']:.2f}, "
+        f"estimated acceptance {report.training['estimated_acceptance_length']:.2f}")
+    report.acceptance_after = measure()
+    if report.acceptance_after:
+        log("acceptance length before -> after: " + ", ".join(
+            f"{key}: {report.acceptance_before[key]['acceptance_length']:.2f} -> "
+            f"{report.acceptance_after[key]['acceptance_length']:.2f}" for key in report.acceptance_after))
+    return drafter, report
