@@ -43,6 +43,11 @@ def completion_mask(sequences: torch.Tensor, prompt_len: int, pad_token_id: int,
     return (ended_before == 0).to(torch.long)
 
 
+def count_generated(sequences, prompt_len, tok) -> int:
+    """Real generated tokens (up to and including EOS) in a batch of sequences."""
+    return int(completion_mask(sequences, prompt_len, tok.pad_token_id, tok.eos_token_id).sum())
+
+
 def sample_answers(model, tokenizer, prompts, max_new_tokens, temperature, seed, batch_size=48):
     """The policy's own answers (prompt + completion + masks), sampled with the plain engine."""
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))

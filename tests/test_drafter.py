@@ -511,7 +511,7 @@ def test_push_to_hub_uploads_a_loadable_folder(tmp_path, monkeypatch, model):
     assert calls[1][2]["commit_message"] == "drafter after step 100"
 
     uploaded = hub / "someone" / "tiny-drafter"
-    assert sorted(p.name for p in uploaded.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in uploaded.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded = EagleDrafter.from_pretrained(uploaded, target=model)
     assert_same_tensors(loaded, snapshot(drafter))
     pred = torch.randn(2, 32)

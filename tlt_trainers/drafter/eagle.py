@@ -285,13 +285,21 @@ class EagleDrafter(nn.Module):
         return RowKV(capacity)
 
     # ----------------------------------------------------------------- persistence
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """config.json + model.safetensors: the drafter's own weights and d2t, never the policy's."""
+    def save_pretrained(self, save_directory: str | os.PathLike, model_card: dict | None = None) -> None:
+        """config.json + model.safetensors: the drafter's own weights and d2t, never the policy's.
+
+        ``model_card``: keyword arguments of :func:`tlt_trainers.drafter.model_card.write_model_card` (``policy_name``,
+        ``acceptance``, ...); when given, a README.md model card is written next to the weights.
+        """
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         self.config.save(path)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "architecture": "EagleDrafter"})
+        if model_card is not None:
+            from .model_card import write_model_card
+
+            write_model_card(self, path, **model_card)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: nn.Module | None = None, **hub_kwargs) -> EagleDrafter:
@@ -328,13 +336,17 @@ class EagleDrafter(nn.Module):
         return drafter
 
     def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
-                    commit_message: str = "Upload EagleDrafter") -> str:
-        """Save to a temporary directory and upload it as a model repo; returns the commit URL."""
+                    commit_message: str = "Upload EagleDrafter", model_card: dict | None = None) -> str:
+        """Save to a temporary directory with a README.md model card and upload it as a model repo.
+
+        ``model_card``: keyword arguments of ``write_model_card`` (``policy_name`` defaults to the policy the drafter
+        was made for, ``repo_id`` to this repo). Returns the commit URL.
+        """
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
+            self.save_pretrained(tmp, model_card={"repo_id": repo_id, **(model_card or {})})
             info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
         return str(info)

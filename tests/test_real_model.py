@@ -1,0 +1,46 @@
+"""The engine and the warm-up command on the real SmolLM2-135M-Instruct (slow: minutes on CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tlt_trainers.pretrained import load_smollm2
+
+    torch.set_num_threads(2)
+    return load_smollm2()
+
+
+def test_greedy_speculation_is_identical_to_generate_on_the_real_model(smollm2):
+    model, tok = smollm2
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in ("What is 17 + 25?", "Name a prime number larger than 50 and explain why it is prime.")]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    drafter = EagleDrafter.from_target(model, draft_vocab_size=2048)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=4))
+    settings = dict(max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ours = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, **settings)
+    reference = model.generate(enc.input_ids, attention_mask=enc.attention_mask, **settings)
+    assert torch.equal(ours.sequences, reference)
+
+
+def test_warmup_command_runs_offline(tmp_path):
+    out = tmp_path / "drafter"
+    cmd = [sys.executable, "-m", "tlt_trainers.cli", "warmup-drafter", "--out", str(out), "--num-prompts", "4",
+           "--eval-prompts", "1", "--max-new-tokens", "16", "--train-seconds", "5", "--draft-vocab-size", "1024"]
+    subprocess.run(cmd, check=True, timeout=900)
+    report = json.loads((out / "warmup_report.json").read_text())
+    assert report["answer_tokens"] > 0 and report["training"]["steps"] > 0
+    assert report["acceptance_after"]["t0"]["acceptance_length"] >= 1.0
+    drafter_config = json.loads((out / "config.json").read_text())
+    assert drafter_config["draft_vocab_size"] == 1024 and drafter_config["target_name_or_path"] == "smollm2-135m"

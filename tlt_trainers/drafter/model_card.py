@@ -1,0 +1,174 @@
+"""A README.md model card for a published drafter: what it is aligned to, how well, and how to load it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TAGS = ["speculative-decoding", "eagle", "draft-model", "tlt-trainers", "vllm", "sglang"]
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _rows_table(first: str, rows: dict) -> list[str]:
+    columns = list(dict.fromkeys(k for row in rows.values() for k in row))
+    lines = [f"| {first} | " + " | ".join(map(_cell, columns)) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {_cell(name)} | " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |"
+              for name, row in rows.items()]
+    return lines
+
+
+def acceptance_table(acceptance) -> str:
+    """Markdown tables of measured acceptance.
+
+    ``{"acceptance_length": 1.9, "speedup": 1.16}`` gives a metric/value table; ``{"greedy, k=4": {"acceptance_length":
+    1.9, ...}, "temperature 1": {...}}`` one row per setting and one column per metric. A ``GenerationStats`` (the
+    ``.stats`` of ``SpeculativeGenerator.generate``) or its ``to_dict()`` gives its counters and a per-batch-size
+    table (``buckets``).
+    """
+    if hasattr(acceptance, "to_dict"):
+        acceptance = acceptance.to_dict()
+    if not acceptance:
+        return ("Not measured yet: pass `acceptance=` a dict of metrics or the `.stats` of "
+                "`SpeculativeGenerator.generate(...)`.")
+    if all(isinstance(v, dict) for v in acceptance.values()):
+        return "\n".join(_rows_table("setting", acceptance))
+    scalars = {}
+    for key, value in acceptance.items():
+        if isinstance(value, dict) and not all(isinstance(v, dict) for v in value.values()):
+            scalars.update({f"{key}.{k}": v for k, v in value.items()})
+        elif not isinstance(value, dict):
+            scalars[key] = value
+    lines = ["| metric | value |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in scalars.items()]
+    for key, value in acceptance.items():
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            lines += [""] + _rows_table(key, value)
+    return "\n".join(lines)
+
+
+def write_model_card(
+    drafter,
+    out_dir: str | os.PathLike,
+    policy_name: str | None = None,
+    acceptance=None,
+    *,
+    repo_id: str | None = None,
+    num_speculative_tokens: int = 3,
+    vllm_model: str | None = None,
+    sglang_model: str | None = None,
+    training: dict | None = None,
+    license: str | None = None,
+) -> Path:
+    """Write ``out_dir/README.md``: YAML front matter (``library_name``, ``tags``, ``base_model`` = the policy) and
+    what the drafter is aligned to, its measured acceptance, and how to load it in tlt_trainers, vLLM and SGLang.
+
+    ``policy_name``: the policy's Hub id (default: the ``target_name_or_path`` the drafter was made for).
+    ``acceptance``: measured acceptance (a dict, or generation stats), rendered by :func:`acceptance_table`.
+    ``repo_id``: where this folder is published (used in the load snippets). ``vllm_model``/``sglang_model``: where
+    exports made with ``tlt_trainers.drafter.export`` are published; when None the snippets show the export step.
+    ``training``: facts about training (steps, tokens, rollouts, ...), listed as given. Returns the README path.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    c = drafter.config
+    policy = policy_name or c.target_name_or_path
+    here = repo_id or "path/to/this/folder"
+    k = int(num_speculative_tokens)
+    data = ModelCardData(library_name="tlt-trainers", tags=list(TAGS), base_model=policy or None, license=license)
+    vocab = (f"{c.draft_vocab_size} of the policy's {c.vocab_size} tokens (draft vocabulary; verification "
+             "stays over the full vocabulary)" if c.uses_draft_vocab else f"the policy's full {c.vocab_size} tokens")
+    params = sum(p.numel() for p in drafter.parameters())
+    policy_text = f"[`{policy}`](https://huggingface.co/{policy})" if policy else "its policy (name not recorded)"
+
+    vllm_lines, sglang_lines = [], []
+    if vllm_model is None:
+        vllm_model = "drafter-vllm"
+        full = ", full_vocab_head=True" if c.uses_draft_vocab else ""
+        vllm_lines = ["from tlt_trainers.drafter.export import export_vllm",
+                      f'export_vllm(drafter, "{vllm_model}", verifier_name_or_path="{policy or "POLICY"}"{full})']
+    if sglang_model is None:
+        sglang_model = "drafter-sglang"
+        sglang_lines = ["from tlt_trainers.drafter.export import export_sglang",
+                        f'export_sglang(drafter, "{sglang_model}", target_model="{policy or "POLICY"}")']
+    vllm_lines += ["from vllm import LLM",
+                   f'llm = LLM(model="{policy or "POLICY"}",',
+                   f'          speculative_config={{"method": "eagle", "model": "{vllm_model}", '
+                   f'"num_speculative_tokens": {k}}})']
+    launch = [f"python -m sglang.launch_server --model-path {policy or 'POLICY'} \\",
+              f"  --speculative-algorithm EAGLE --speculative-draft-model-path {sglang_model} \\",
+              f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
+    if c.uses_draft_vocab:
+        launch[-1] += " \\"
+        launch.append(f"  --speculative-token-map {sglang_model}/hot_token_map.pt")
+
+    out = [
+        f"# EAGLE drafter for {policy or 'its policy'}",
+        "",
+        "A one-layer [EAGLE](https://arxiv.org/abs/2401.15077) drafter for lossless speculative decoding, trained with",
+        "tlt-trainers on the policy's own hidden states during RL post-training. It proposes tokens; the policy",
+        "verifies them, so what is generated is exactly what the policy alone would generate. A better drafter only",
+        "makes it faster.",
+        "",
+        "## Aligned to",
+        "",
+        f"{policy_text}: the drafter reads this policy's final hidden states and scores through its embedding and LM",
+        "head (neither is stored here). It was trained on the policy's own rollouts and tracks the checkpoint it was",
+        "last trained on: use it with exactly that policy; with another checkpoint acceptance drops (outputs stay",
+        "exact).",
+        "",
+        "| | |",
+        "|---|---|",
+        "| layout | EAGLE-1: `fc`(embedding, hidden state), one Llama decoder layer without its input norm |",
+        f"| hidden size / heads / KV heads / head dim | {c.hidden_size} / {c.num_attention_heads} / "
+        f"{c.num_key_value_heads} / {c.head_dim} |",
+        f"| MLP size | {c.intermediate_size} |",
+        f"| drafts over | {vocab} |",
+        f"| parameters (own) | {params:,} |",
+        "",
+    ]
+    if training:
+        out += ["Training:", ""] + [f"- {_cell(key)}: {_cell(value)}" for key, value in training.items()] + [""]
+    out += [
+        "## Measured acceptance",
+        "",
+        "Acceptance length: mean number of tokens produced per policy forward pass (1.0 means no gain).",
+        "",
+        acceptance_table(acceptance),
+        "",
+        "## Use it",
+        "",
+        "tlt-trainers (the files in this folder):",
+        "",
+        "```python",
+        "from tlt_trainers import EagleDrafter, SpeculativeGenerator",
+        f'drafter = EagleDrafter.from_pretrained("{here}", target=model)  # model: the policy above',
+        "gen = SpeculativeGenerator(model, drafter)",
+        "```",
+        "",
+        "vLLM (EAGLE-1 layout written by `tlt_trainers.drafter.export.export_vllm`):",
+        "",
+        "```python",
+        *vllm_lines,
+        "```",
+        "",
+    ]
+    if c.uses_draft_vocab:
+        out += ["vLLM's EAGLE-1 drafter has no draft vocabulary: its export drafts over the full vocabulary",
+                "(`full_vocab_head=True`). Outputs are unchanged; drafting costs more than here.", ""]
+    out += ["SGLang (EAGLE-1 layout written by `tlt_trainers.drafter.export.export_sglang`):", ""]
+    if sglang_lines:
+        out += ["```python", *sglang_lines, "```", ""]
+    out += ["```bash", *launch, "```", ""]
+    if c.uses_draft_vocab:
+        out += ["The token map keeps the draft vocabulary: without `--speculative-token-map` SGLang would draft over",
+                "the full vocabulary.", ""]
+    body = "\n".join(out)
+    content = f"---\n{data.to_yaml()}\n---\n\n{body}"
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    ModelCard(content).save(path / "README.md")
+    return path / "README.md"
