@@ -39,6 +39,7 @@ def parse_args():
     p.add_argument("--warmup-prompts", type=int, default=None, help="prompts answered for warm-up, default 96")
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--modes", default="greedy,sample", help="greedy and/or sample (temperature 1.0)")
+    p.add_argument("--name", default=None, help="results file name (default bench_decode or bench_decode_quick)")
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,4,16" if args.quick else "1,4,16,64")).split(",")]
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 64)
@@ -167,7 +168,7 @@ def main():
     print("\nPolicy forward cost with ~200 cached tokens (ms), and relative to 1 token:")
     curve_table = print_table(["batch"] + [f"{w} tok ms" for w in widths] + [f"{w}/1" for w in widths[1:]],
                               curve_rows)
-    path = write_results("bench_decode_quick" if args.quick else "bench_decode", {
+    path = write_results(args.name or ("bench_decode_quick" if args.quick else "bench_decode"), {
         "settings": vars(args), "drafter_warmup": warm_info, "results": records,
         "forward_cost_seconds": {str(b): {str(w): t for w, t in row.items()} for b, row in curve.items()},
         "table": table, "cost_table": curve_table,
