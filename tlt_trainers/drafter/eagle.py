@@ -184,6 +184,18 @@ class EagleDrafter(nn.Module):
         self._head_cache = None
         return self
 
+    def ensure_bound(self, model: nn.Module) -> EagleDrafter:
+        """Bind to ``model`` unless already bound to its head, and check that device and dtype agree."""
+        if self._target is None or self.target.head is not model.get_output_embeddings():
+            self.bind(model)
+        mine, theirs = next(self.parameters()), model.get_output_embeddings().weight
+        if mine.device != theirs.device or mine.dtype != theirs.dtype:
+            raise ValueError(
+                f"Drafter is on {mine.device}/{mine.dtype} but the policy on {theirs.device}/{theirs.dtype}: "
+                "call drafter.to(device=..., dtype=...) to match."
+            )
+        return self
+
     @property
     def target(self) -> _TargetModules:
         if self._target is None:

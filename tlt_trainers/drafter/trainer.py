@@ -69,14 +69,7 @@ class DrafterTrainer:
             raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
         self.drafter, self.model = drafter, model
         self.target = TargetModel(model)
-        if drafter._target is None or drafter.target.head is not model.get_output_embeddings():
-            drafter.bind(model)  # train against this policy's head, whatever the drafter was bound to before
-        weight = next(drafter.parameters())
-        if weight.device != self.target.device or weight.dtype != self.target.dtype:
-            raise ValueError(
-                f"Drafter is on {weight.device}/{weight.dtype} but the policy on {self.target.device}/"
-                f"{self.target.dtype}: call drafter.to(device=..., dtype=...) to match."
-            )
+        drafter.ensure_bound(model)  # train against this policy's head, whatever it was bound to before
         self.lr = lr
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay)
         self.feature_weight, self.token_weight = feature_weight, token_weight

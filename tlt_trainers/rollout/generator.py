@@ -97,14 +97,7 @@ class SpeculativeGenerator:
                 "(or a trained one), or use TLTConfig(speculation='never') for plain decoding."
             )
         if drafter is not None:
-            if drafter._target is None or drafter.target.head is not model.get_output_embeddings():
-                drafter.bind(model)
-            weight = next(drafter.parameters())
-            if weight.device != self.target.device or weight.dtype != self.target.dtype:
-                raise ValueError(
-                    f"Drafter is on {weight.device}/{weight.dtype} but the policy on {self.target.device}/"
-                    f"{self.target.dtype}: call drafter.to(device=..., dtype=...) to match."
-                )
+            drafter.ensure_bound(model)
         self.drafter = drafter
 
     # ------------------------------------------------------------------ public entry
