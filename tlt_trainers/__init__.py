@@ -40,6 +40,6 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as err:
         raise ImportError(
-            f"tlt_trainers.{name} is not available yet in this install ({err}). The TRL adapter needs "
-            "`pip install tlt-trainers[trl]`, the veRL adapter `pip install tlt-trainers[verl]`."
+            f"tlt_trainers.{name} cannot be imported ({err}). The TRL adapter needs "
+            "`pip install tlt-trainers[trl]`; the veRL adapter (TLTPPOTrainer) is not built yet."
         ) from err

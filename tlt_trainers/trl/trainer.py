@@ -1,0 +1,569 @@
+"""TLTGRPOTrainer: TRL's GRPOTrainer with lossless speculative rollouts and a drafter trained in idle time.
+
+Change one import::
+
+    from tlt_trainers import TLTGRPOTrainer as GRPOTrainer
+
+and the script runs as before: same datasets, rewards, PEFT, logging and checkpoints, and the completions
+are drawn from exactly the distribution ``model.generate`` would use. What changes is inside TRL's
+``_generate_single_turn``: the completions come from :class:`SpeculativeGenerator`, whose verify passes
+also hand the policy's hidden states to a :class:`DrafterTrainer`. After each rollout the drafter trains:
+in a multi-process run while a rank waits for slower ranks (then all ranks take the same drafter), in a
+single process for a short time budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import itertools
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+from transformers.utils import logging
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
+
+from ..drafter.eagle import EagleDrafter
+from ..drafter.trainer import TRAINER_STATE, DrafterTrainer
+from ..rollout.generator import SpeculativeGenerator
+from ..spec.sampling import SamplingParams, check_generation_config
+from .config import TLTGRPOConfig, resolve_tlt_settings
+from .sync import COLUMN, STAT_FIELDS, RankGroup
+
+logger = logging.get_logger(__name__)
+
+DRAFTER_DIR = "drafter"
+RNG_STATE_NAME = "tlt_rng_state_{}.pth"
+DRAFT_VOCAB_THRESHOLD, DEFAULT_DRAFT_VOCAB = 8192, 4096
+
+_VLLM_ERROR = (
+    "TLTGRPOTrainer cannot hand its drafter to TRL's vLLM engine: TRL starts vLLM (colocate) or talks to "
+    "`trl vllm-serve` (server) without a speculative configuration, and a drafter that is retrained every step "
+    "cannot be pushed into either. Set use_vllm=False to generate with TLT's speculative engine (drafter trained "
+    "in idle time, output distribution unchanged). To keep vLLM, use the stock trl.GRPOTrainer and serve a fixed "
+    "drafter: export one with tlt_trainers.drafter.export.export_vllm(drafter, out_dir) and start "
+    "`trl vllm-serve --model <policy> --speculative_config "
+    "'{\"method\": \"eagle\", \"model\": \"<out_dir>\", \"num_speculative_tokens\": 3}'`."
+)
+
+
+def _set(value) -> bool:
+    return value is not None
+
+
+# generate() settings that change what is sampled (or when sampling stops) that neither the engine nor
+# spec.sampling.check_generation_config handles; each with the neutral value to use instead.
+_EXTRA_UNSUPPORTED = {
+    "stop_strings": (lambda v: v is not None and len(v) > 0, None),
+    "max_time": (_set, None),
+    "penalty_alpha": (lambda v: v is not None and v > 0, None),
+    "dola_layers": (_set, None),
+    "prompt_lookup_num_tokens": (_set, None),
+    "assistant_early_exit": (_set, None),
+    "num_beam_groups": (lambda v: v is not None and v > 1, 1),
+    "token_healing": (lambda v: v is True, False),
+}
+
+
+def effective_generation_config(trl_config: GenerationConfig, model) -> GenerationConfig:
+    """The settings ``model.generate(generation_config=trl_config)`` really uses (transformers' own merge rules)."""
+    config = copy.deepcopy(trl_config)
+    model_config = getattr(model, "generation_config", None)
+    if model_config is None:
+        return config
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:  # transformers >= 5: unset (None) values come from the model, then global defaults
+        config.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+        config.update(**defaults(), defaults_only=True)
+    else:  # transformers 4.x: values left at the global default take the model's non-default value
+        reference = GenerationConfig()
+        for key, value in model_config.__dict__.items():
+            if key.startswith("_") or key == "transformers_version":
+                continue
+            default = getattr(reference, key, None)
+            if getattr(config, key, None) == default and value != default:
+                setattr(config, key, value)
+    return config
+
+
+def generation_settings(config: GenerationConfig) -> dict:
+    """Keyword arguments of ``SpeculativeGenerator.generate`` equivalent to ``config``; ValueError if there are none."""
+    check_generation_config(config)
+    for key, (takes_effect, neutral) in _EXTRA_UNSUPPORTED.items():
+        value = getattr(config, key, None)
+        if takes_effect(value):
+            raise ValueError(
+                f"generation setting {key}={value!r} (from GRPOConfig.generation_kwargs or the model's "
+                f"generation_config) is not reproduced by TLTGRPOTrainer's engine; set it to {neutral!r}, or use the "
+                "stock trl.GRPOTrainer for this run."
+            )
+
+    def value(name, neutral):
+        current = getattr(config, name, None)
+        return neutral if current is None else current
+
+    settings = dict(
+        do_sample=bool(value("do_sample", False)),
+        temperature=float(value("temperature", 1.0)),
+        top_k=int(value("top_k", 0)),
+        top_p=float(value("top_p", 1.0)),
+        min_p=config.min_p,
+        repetition_penalty=float(value("repetition_penalty", 1.0)),
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    try:
+        SamplingParams(*(settings[k] for k in ("do_sample", "temperature", "top_k", "top_p", "min_p",
+                                              "repetition_penalty")))
+    except ValueError as err:
+        raise ValueError(f"Unsupported sampling settings for TLTGRPOTrainer: {err}") from err
+    return settings
+
+
+def _policy_of(unwrapped):
+    """The transformers model that generate() runs: the base model (LoRA layers live) for a PEFT model."""
+    get_base = getattr(unwrapped, "get_base_model", None)
+    return get_base() if callable(get_base) else unwrapped
+
+
+class _RolloutCounters:
+    """GenerationStats summed over the single-turn generations of one ``_generate`` call."""
+
+    FIELDS = ("emitted_tokens", "row_forwards", "draft_tokens", "accepted_tokens", "decode_steps",
+              "speculative_steps")
+
+    def __init__(self):
+        self.values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, stats) -> None:
+        self.values["emitted_tokens"] += stats.generated_tokens_in_steps
+        self.values["row_forwards"] += stats.row_forwards
+        self.values["draft_tokens"] += stats.draft_tokens
+        self.values["accepted_tokens"] += stats.accepted_tokens
+        self.values["decode_steps"] += stats.steps
+        self.values["speculative_steps"] += stats.speculative_steps
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+class TLTGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose rollouts use TLT's speculative engine and whose drafter keeps up with the policy.
+
+    Takes exactly GRPOTrainer's arguments. ``args`` may be a plain ``GRPOConfig`` (TLT defaults) or a
+    :class:`TLTGRPOConfig`. ``drafter`` (keyword only): an :class:`EagleDrafter` to start from, instead of
+    ``args.drafter_name_or_path`` or a fresh one.
+
+    Callbacks with a method ``on_drafter_update(args, state, control, **kwargs)`` are called after every drafter
+    update with ``drafter``, ``trigger`` (``"idle"``: this rank trained while waiting for slower ranks;
+    ``"post_rollout"``: it had nobody to wait for), ``rank`` and ``metrics`` (steps, loss, seconds, ...).
+    """
+
+    _tag_names = ["trl", "grpo", "tlt"]
+
+    def __init__(self, model, reward_funcs=None, args=None, *positional, drafter: EagleDrafter | None = None,
+                 **kwargs):
+        if args is not None:
+            _check_args(args)
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self._tlt_setup(drafter)
+
+    # ------------------------------------------------------------------ setup
+    def _tlt_setup(self, drafter: EagleDrafter | None) -> None:
+        args = self.args
+        _check_args(args)
+        self.tlt_settings = resolve_tlt_settings(args)
+        self._tlt_config = self.tlt_settings.tlt_config()
+        self._tlt_ranks = RankGroup()
+        self._tlt_generator = torch.Generator().manual_seed(int(args.seed) + self.accelerator.process_index)
+        self._tlt_engine: SpeculativeGenerator | None = None
+        self._tlt_pending = False
+        self._tlt_in_tool_loop = False
+        self._tlt_rollout_start = time.perf_counter()
+        self._tlt_counters = _RolloutCounters()
+        self._tlt_warned: set[str] = set()
+        self._tlt_stock_reason = None
+        if getattr(self, "_is_vlm", False):
+            self._tlt_stock_reason = "vision-language models keep TRL's generation (speculation off)"
+        if getattr(self, "rollout_func", None) is not None:
+            logger.warning("TLTGRPOTrainer: a rollout_func replaces TRL's generation, so TLT's speculative engine "
+                           "is not used; drafter updates only train on what the engine generates.")
+
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+            raise ValueError("DeepSpeed ZeRO-3 is not supported by TLTGRPOTrainer yet (the drafter reads the policy's "
+                             "LM head outside generation, where ZeRO-3 keeps it partitioned); use ZeRO-2, FSDP or DDP.")
+        policy = _policy_of(self.accelerator.unwrap_model(self.model))
+        self._tlt_sampling = generation_settings(effective_generation_config(self.generation_config, policy))
+        self._tlt_max_new_tokens = self.generation_config.max_new_tokens
+        self._tlt_max_length = self.generation_config.max_length
+
+        self.drafter, self.drafter_trainer = None, None
+        self._tlt_draft_vocab_ready = True
+        if self._tlt_config.speculation == "never":
+            return
+        fresh = drafter is None and self.tlt_settings.drafter_name_or_path is None
+        head = policy.get_output_embeddings().weight
+        with torch.random.fork_rng(devices=[]):  # the stock run's RNG stream stays untouched
+            torch.manual_seed(int(args.seed))  # identical fresh drafters on every rank
+            if drafter is not None:
+                drafter = drafter.to(device=head.device, dtype=head.dtype).bind(policy)
+            elif self.tlt_settings.drafter_name_or_path is not None:
+                drafter = EagleDrafter.from_pretrained(self.tlt_settings.drafter_name_or_path, target=policy)
+            else:
+                drafter = EagleDrafter.from_target(policy, draft_vocab_size=self._draft_vocab_size(head.shape[0]))
+        drafter.eval()
+        self.drafter = drafter
+        tlt = self.tlt_settings
+        self.drafter_trainer = DrafterTrainer(
+            drafter, policy, lr=tlt.drafter_lr, micro_batch_size=tlt.drafter_micro_batch_size,
+            unroll_steps=tlt.drafter_unroll_steps, buffer_bytes=tlt.drafter_buffer_bytes,
+            seed=int(args.seed) + self.accelerator.process_index,
+        )
+        # A fresh drafter drafts over the most frequent tokens of the first rollouts.
+        self._tlt_draft_vocab_ready = not (fresh and drafter.config.uses_draft_vocab)
+
+    def _draft_vocab_size(self, vocab: int) -> int | None:
+        size = self.tlt_settings.draft_vocab_size
+        if size is None:
+            size = DEFAULT_DRAFT_VOCAB if vocab > DRAFT_VOCAB_THRESHOLD else 0
+        return size if 0 < size < vocab else None
+
+    def _tlt_warn_once(self, key: str, message: str) -> None:
+        if key not in self._tlt_warned:
+            self._tlt_warned.add(key)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def _tlt_unwrapped(self):
+        """The policy as TRL's generate path sees it: unwrapped, gradient checkpointing off, full parameters."""
+        accepted = inspect.signature(unwrap_model_for_generation).parameters
+        kwargs = {"gather_deepspeed3_params": self.args.ds3_gather_for_generation}
+        if "generation_kwargs" in accepted:
+            kwargs["generation_kwargs"] = getattr(self, "generation_kwargs", None)
+        if "gradient_checkpointing_kwargs" in accepted:
+            kwargs["gradient_checkpointing_kwargs"] = self.args.gradient_checkpointing_kwargs
+        with contextlib.ExitStack() as stack:
+            unwrapped = stack.enter_context(unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                                                        **kwargs))
+            stack.enter_context(torch.no_grad())
+            backend = getattr(self, "_dist", None)
+            if backend is not None and hasattr(backend, "summon_full_params"):
+                stack.enter_context(backend.summon_full_params(self.model_wrapped, recurse=False))
+            yield unwrapped
+
+    def _tlt_autocast(self, policy):
+        # accelerate wraps the prepared model's forward in autocast under mixed precision; generate() runs that
+        # forward, so the engine (which calls decoder and head directly) runs under the same autocast.
+        if "_original_forward" in vars(policy):
+            return self.accelerator.autocast()
+        return contextlib.nullcontext()
+
+    def _tlt_generate(self, prompt_ids) -> list[list[int]]:
+        device = self.accelerator.device
+        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
+        multiple = getattr(self, "pad_to_multiple_of", None)
+        extra = {"pad_to_multiple_of": multiple} if multiple else {}
+        input_ids = pad(prompt_tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left", **extra)
+        attention_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left",
+                             **extra)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        prompt_length = input_ids.shape[1]
+        max_new_tokens = self._tlt_max_new_tokens
+        if max_new_tokens is None:  # generate(): max_length counts the prompt
+            max_new_tokens = max(1, (self._tlt_max_length or 20) - prompt_length)
+        sink = None
+        if self.model.training and self.drafter_trainer is not None:
+            sink = self.drafter_trainer.add_features
+        with self._tlt_unwrapped() as unwrapped:
+            policy = _policy_of(unwrapped)
+            with self._tlt_autocast(policy):
+                if self._tlt_engine is None or self._tlt_engine.model is not policy:
+                    self._tlt_engine = SpeculativeGenerator(policy, self.drafter, self._tlt_config)
+                result = self._tlt_engine.generate(input_ids, attention_mask=attention_mask,
+                                                   max_new_tokens=int(max_new_tokens), generator=self._tlt_generator,
+                                                   feature_sink=sink, **self._tlt_sampling)
+        self._tlt_counters.add(result.stats)
+        completion_ids = result.sequences[:, prompt_length:]
+        # Exactly TRL's post-processing of generate()'s output: keep up to and including the first EOS.
+        eos_token_ids = getattr(self, "eos_token_ids", None) or [self._tokenizer.eos_token_id]
+        is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion_ids.device)
+        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+        sequence_indices = torch.arange(is_eos.size(1), device=completion_ids.device).expand(is_eos.size(0), -1)
+        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+        return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu())]
+
+    def _generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
+        try:
+            bound = inspect.signature(super()._generate_single_turn).bind_partial(
+                prompt_ids, images, multimodal_fields, *args, **kwargs).arguments
+        except TypeError:
+            bound = kwargs
+        has_tool_images = bool(bound.get("has_tool_images", False))
+        reason = self._tlt_stock_reason
+        if reason is None and (images is not None or multimodal_fields or has_tool_images):
+            reason = "image inputs go through TRL's generate (speculation off for these batches)"
+        if reason is not None:
+            self._tlt_warn_once(reason, f"TLTGRPOTrainer: {reason}.")
+            output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        else:
+            output = (self._tlt_generate(prompt_ids), None)
+        if not self._tlt_in_tool_loop and not getattr(self, "tools", None):
+            self._tlt_after_rollout()  # before _generate's gathers, where a fast rank would otherwise sit idle
+        return output
+
+    def _tool_call_loop(self, *args, **kwargs):
+        # The loop calls _generate_single_turn a data-dependent number of times per rank: no collective in there.
+        self._tlt_in_tool_loop = True
+        try:
+            output = super()._tool_call_loop(*args, **kwargs)
+        finally:
+            self._tlt_in_tool_loop = False
+        self._tlt_after_rollout()
+        return output
+
+    def _generate(self, *args, **kwargs):
+        self._tlt_pending = True
+        self._tlt_rollout_start = time.perf_counter()
+        self._tlt_counters = _RolloutCounters()
+        output = super()._generate(*args, **kwargs)
+        self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
+        return output
+
+    # ------------------------------------------------------------------ drafter updates
+    def _tlt_after_rollout(self) -> None:
+        """Once per ``_generate`` on every rank: train the drafter in idle time, reconcile, log, fire callbacks."""
+        if not self._tlt_pending:
+            return
+        self._tlt_pending = False
+        counters = self._tlt_counters.values
+        if not self.model.training:
+            self._tlt_log_generation("eval", counters)
+            return
+        settings, ranks = self.tlt_settings, self._tlt_ranks
+        rollout_seconds = time.perf_counter() - self._tlt_rollout_start
+        posted = time.perf_counter()
+        work = ranks.post_arrival(rollout_seconds)
+        if ranks.distributed:  # train while slower ranks are still generating
+            update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
+        else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
+            budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)
+            update = self._tlt_train_drafter(budget, None, at_least_one=True)
+        ranks.wait(work)
+        waited = time.perf_counter() - posted
+        steps = update.get("steps", 0)
+        row = dict(rollout_seconds=rollout_seconds, steps=steps, loss=update.get("loss", float("nan")),
+                   top1=update.get("top1", float("nan")), train_seconds=update.get("seconds", 0.0),
+                   wait_seconds=waited, total_steps=self.drafter_trainer.step if self.drafter_trainer else 0,
+                   **counters)
+        sync_start = time.perf_counter()
+        table = ranks.gather([float(row[name]) for name in STAT_FIELDS])
+        src = ranks.source(table)
+        anyone_trained = bool(table[:, COLUMN["steps"]].max() > 0)
+        if anyone_trained and ranks.distributed:
+            ranks.broadcast_drafter(self.drafter, self.drafter_trainer.optimizer, src)
+            self.drafter_trainer.step = int(table[src, COLUMN["total_steps"]])
+        if anyone_trained:
+            self._tlt_draft_vocab_ready = True
+        sync_seconds = time.perf_counter() - sync_start
+
+        self._tlt_log_generation("train", {name: float(table[:, COLUMN[name]].sum()) for name in counters})
+        column = {name: table[:, COLUMN[name]] for name in STAT_FIELDS}
+        idle = column["train_seconds"].sum().item() if ranks.distributed else 0.0
+        metrics = self._metrics["train"]
+        metrics["tlt/rollout_seconds"].append(column["rollout_seconds"].max().item())
+        metrics["tlt/drafter_idle_seconds"].append(idle)
+        metrics["tlt/idle_seconds"].append(
+            (column["rollout_seconds"].max() - column["rollout_seconds"]).sum().item())
+        metrics["tlt/drafter_update_seconds"].append(column["train_seconds"].max().item())
+        metrics["tlt/drafter_steps"].append(column["steps"][src].item())
+        metrics["tlt/drafter_loss"].append(column["loss"][src].item())
+        metrics["tlt/drafter_top1"].append(column["top1"][src].item())
+        metrics["tlt/drafter_sync_seconds"].append(sync_seconds)
+
+        if anyone_trained:
+            trigger = "idle" if ranks.distributed and steps > 0 else "post_rollout"
+            self._tlt_fire_drafter_update(trigger, {
+                "steps": steps, "loss": row["loss"], "seconds": row["train_seconds"], "top1": row["top1"],
+                "wait_seconds": waited, "rollout_seconds": rollout_seconds, "source_rank": src,
+                "source_steps": int(column["steps"][src].item()), "total_steps": self.drafter_trainer.step,
+                "buffer_sequences": len(self.drafter_trainer.buffer),
+                "buffer_bytes": self.drafter_trainer.buffer.nbytes,
+            })
+
+    def _tlt_train_drafter(self, max_seconds: float, should_stop=None, at_least_one: bool = False) -> dict:
+        trainer = self.drafter_trainer
+        max_steps = self.tlt_settings.drafter_max_steps_per_update
+        if trainer is None or len(trainer.buffer) == 0 or max_steps == 0 or max_seconds <= 0:
+            return {}
+        if should_stop is not None and should_stop():
+            return {}
+        if at_least_one:
+            first, deadline = trainer.step, time.perf_counter() + max_seconds
+            max_seconds = None
+
+            def should_stop():
+                return trainer.step > first and time.perf_counter() >= deadline
+
+        if not self._tlt_draft_vocab_ready:
+            trainer.rebuild_draft_vocab()
+        with torch.enable_grad():
+            return trainer.train(max_steps=max_steps, max_seconds=max_seconds, should_stop=should_stop)
+
+    def _tlt_log_generation(self, mode: str, counters: dict) -> None:
+        metrics = self._metrics[mode]
+        metrics["tlt/acceptance_length"].append(_ratio(counters["emitted_tokens"], counters["row_forwards"]))
+        metrics["tlt/draft_tokens"].append(float(counters["draft_tokens"]))
+        metrics["tlt/accepted_tokens"].append(float(counters["accepted_tokens"]))
+        metrics["tlt/speculative_step_fraction"].append(_ratio(counters["speculative_steps"], counters["decode_steps"]))
+
+    def _tlt_fire_drafter_update(self, trigger: str, metrics: dict) -> None:
+        # CallbackHandler.call_event would raise on callbacks without this method: call those that have it.
+        handler = self.callback_handler
+        for callback in handler.callbacks:
+            method = getattr(callback, "on_drafter_update", None)
+            if not callable(method):
+                continue
+            result = method(self.args, self.state, self.control, drafter=self.drafter, trigger=trigger,
+                            rank=self._tlt_ranks.rank, metrics=dict(metrics), model=self.model,
+                            processing_class=self.processing_class, optimizer=self.optimizer,
+                            lr_scheduler=self.lr_scheduler)
+            if result is not None:
+                self.control = result
+
+    # ------------------------------------------------------------------ warm-up and training entry
+    def train(self, *args, **kwargs):
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.drafter_trainer is not None and self.tlt_settings.drafter_warmup_prompts > 0 and not resume:
+            self._tlt_warmup()
+        output = super().train(*args, **kwargs)
+        if self.drafter_trainer is not None and self.args.should_save:
+            self.drafter_trainer.save_checkpoint(Path(self.args.output_dir) / DRAFTER_DIR)
+        return output
+
+    def _tlt_warmup_prompts(self, count: int) -> list[str]:
+        from trl.data_utils import is_conversational
+
+        data = self.train_dataset
+        if data is None:
+            raise ValueError("drafter_warmup_prompts > 0 needs a train_dataset with a 'prompt' column.")
+        if hasattr(data, "select") and hasattr(data, "__len__"):
+            rows = data.select(range(min(count, len(data))))
+        else:
+            rows = list(itertools.islice(iter(data), count))
+        prompts = []
+        for row in rows:
+            prompt = row["prompt"]
+            if is_conversational({"prompt": prompt}):
+                prompt = self._tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                             **(getattr(self, "chat_template_kwargs", None) or {}))
+            prompts.append(prompt)
+        return prompts
+
+    def _tlt_warmup(self) -> None:
+        """Fit the drafter to the policy's answers before RL starts (main process; then shared with all ranks)."""
+        from ..drafter.warmup import warmup_drafter
+
+        settings = self.tlt_settings
+        if self.accelerator.is_main_process:
+            prompts = self._tlt_warmup_prompts(settings.drafter_warmup_prompts)
+            sampling = self._tlt_sampling
+            temperatures = (sampling["temperature"], 0.0) if sampling["do_sample"] else (0.0,)
+            side = self._tokenizer.padding_side
+            self._tokenizer.padding_side = "left"
+            try:
+                with self._tlt_unwrapped() as unwrapped, torch.random.fork_rng(devices=[]), torch.enable_grad():
+                    policy = _policy_of(unwrapped)
+                    with self._tlt_autocast(policy):
+                        _, report = warmup_drafter(
+                            policy, self._tokenizer, prompts, drafter=self.drafter,
+                            max_new_tokens=int(self._tlt_max_new_tokens or 64), temperatures=temperatures,
+                            batch_size=8, train_seconds=settings.drafter_warmup_seconds,
+                            unroll_steps=settings.drafter_unroll_steps, seed=int(self.args.seed),
+                            show_progress=False, log=logger.info)
+            finally:
+                self._tokenizer.padding_side = side
+            self.drafter.bind(_policy_of(self.accelerator.unwrap_model(self.model)))
+            trained = report.training
+            logger.info(f"TLTGRPOTrainer: drafter warm-up: {report.answer_tokens} answer tokens, "
+                        f"{trained.get('steps', 0)} steps, loss {trained.get('loss', float('nan')):.3f}")
+        self.drafter.eval()
+        self._tlt_ranks.broadcast_drafter(self.drafter, None, src=0)
+        self._tlt_draft_vocab_ready = True
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict=state_dict)
+        if self.drafter_trainer is not None:
+            directory = Path(output_dir if output_dir is not None else self.args.output_dir) / DRAFTER_DIR
+            self.drafter_trainer.save_checkpoint(directory)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        source = Path(checkpoint_folder) / DRAFTER_DIR
+        if self.is_world_process_zero() and source.is_dir():
+            shutil.copytree(source, Path(self.args.output_dir) / DRAFTER_DIR, dirs_exist_ok=True)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.drafter_trainer is None:
+            return
+        directory = Path(checkpoint) / DRAFTER_DIR
+        if (directory / TRAINER_STATE).is_file():
+            self.drafter_trainer.load_checkpoint(directory)
+            self.drafter.eval()
+            self._tlt_draft_vocab_ready = True
+        else:
+            logger.warning(f"TLTGRPOTrainer: {checkpoint} holds no drafter ({DRAFTER_DIR}/); continuing with the "
+                           "current one.")
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        state = {"rollout": self._tlt_generator.get_state()}
+        if self.drafter_trainer is not None:
+            state["drafter"] = self.drafter_trainer.generator.get_state()
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(state, os.path.join(output_dir, RNG_STATE_NAME.format(self.args.process_index)))
+
+    def _load_rng_state(self, checkpoint) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, RNG_STATE_NAME.format(self.args.process_index))
+        if not os.path.isfile(path):
+            return
+        state = torch.load(path, weights_only=True)
+        self._tlt_generator.set_state(state["rollout"])
+        if self.drafter_trainer is not None and "drafter" in state:
+            self.drafter_trainer.generator.set_state(state["drafter"])
+
+
+def _check_args(args) -> None:
+    """Settings TLT cannot honour, refused before anything is built."""
+    if getattr(args, "use_vllm", False):
+        raise ValueError(_VLLM_ERROR)
+    if getattr(args, "use_transformers_continuous_batching", False) or getattr(args, "use_transformers_paged", False):
+        raise ValueError(
+            "use_transformers_continuous_batching (use_transformers_paged) replaces generation with transformers' "
+            "generate_batch, which TLTGRPOTrainer cannot speculate in. TLT's engine already drops finished rows "
+            "from the batch: set use_transformers_continuous_batching=False (or use the stock trl.GRPOTrainer)."
+        )
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        raise ValueError(
+            "cast_lm_head_to_fp32=True is not supported by TLTGRPOTrainer (the drafter shares the policy's LM head "
+            "and dtype); set cast_lm_head_to_fp32=False or use the stock trl.GRPOTrainer."
+        )
+    resolve_tlt_settings(args)
+
+
+__all__ = ["TLTGRPOConfig", "TLTGRPOTrainer", "DRAFTER_DIR", "effective_generation_config", "generation_settings"]
