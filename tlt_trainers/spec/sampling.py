@@ -61,6 +61,15 @@ _UNSUPPORTED_GENERATION_KEYS = {
     "eta_cutoff": (_open_unit, 0.0),
     "renormalize_logits": (lambda v: v is True, False),
     "remove_invalid_values": (lambda v: v is True, False),
+    # Decoding modes and stopping rules that change what generate() returns without a logits processor.
+    "stop_strings": (_nonempty, None),
+    "max_time": (_set, None),
+    "penalty_alpha": (_above(0), None),
+    "dola_layers": (_set, None),
+    "prompt_lookup_num_tokens": (_set, None),
+    "assistant_early_exit": (_set, None),
+    "num_beam_groups": (_above(1), 1),
+    "token_healing": (lambda v: v is True, False),
 }
 
 

@@ -54,24 +54,6 @@ _VLLM_ERROR = (
 )
 
 
-def _set(value) -> bool:
-    return value is not None
-
-
-# generate() settings that change what is sampled (or when sampling stops) that neither the engine nor
-# spec.sampling.check_generation_config handles; each with the neutral value to use instead.
-_EXTRA_UNSUPPORTED = {
-    "stop_strings": (lambda v: v is not None and len(v) > 0, None),
-    "max_time": (_set, None),
-    "penalty_alpha": (lambda v: v is not None and v > 0, None),
-    "dola_layers": (_set, None),
-    "prompt_lookup_num_tokens": (_set, None),
-    "assistant_early_exit": (_set, None),
-    "num_beam_groups": (lambda v: v is not None and v > 1, 1),
-    "token_healing": (lambda v: v is True, False),
-}
-
-
 def effective_generation_config(trl_config: GenerationConfig, model) -> GenerationConfig:
     """The settings ``model.generate(generation_config=trl_config)`` really uses (transformers' own merge rules)."""
     config = copy.deepcopy(trl_config)
@@ -96,14 +78,6 @@ def effective_generation_config(trl_config: GenerationConfig, model) -> Generati
 def generation_settings(config: GenerationConfig) -> dict:
     """Keyword arguments of ``SpeculativeGenerator.generate`` equivalent to ``config``; ValueError if there are none."""
     check_generation_config(config)
-    for key, (takes_effect, neutral) in _EXTRA_UNSUPPORTED.items():
-        value = getattr(config, key, None)
-        if takes_effect(value):
-            raise ValueError(
-                f"generation setting {key}={value!r} (from GRPOConfig.generation_kwargs or the model's "
-                f"generation_config) is not reproduced by TLTGRPOTrainer's engine; set it to {neutral!r}, or use the "
-                "stock trl.GRPOTrainer for this run."
-            )
 
     def value(name, neutral):
         current = getattr(config, name, None)
