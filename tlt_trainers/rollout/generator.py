@@ -19,7 +19,11 @@ from torch import nn
 from ..config import TLTConfig
 from ..spec.rejection import ChainVerdict, verify_greedy, verify_sampled
 from ..spec.sampling import SamplingParams, check_generation_config, process_logits, sample_categorical
+from ..spec.strategy import NONE, Strategy
+from ..spec.tree import DraftTree, verify_tree
+from .costs import CostProfile, profile_costs
 from .kv_cache import RowState, WritePlan, additive_mask, attention_allowed
+from .selector import StrategySelector
 from .stats import GenerationStats
 from .target import TargetModel
 
@@ -99,6 +103,27 @@ class SpeculativeGenerator:
         if drafter is not None:
             drafter.ensure_bound(model)
         self.drafter = drafter
+        self.strategies = self.config.speculation_strategies() if drafter is not None else []
+        self.cost_profile = CostProfile()
+        self._selectors: dict[tuple, StrategySelector] = {}
+
+    def selector(self, do_sample: bool = True, temperature: float = 1.0) -> StrategySelector | None:
+        """The adaptive selector for a sampling regime (acceptance differs between greedy and sampling)."""
+        if self.config.speculation != "adaptive" or not self.strategies:
+            return None
+        key = (bool(do_sample), round(float(temperature), 3) if do_sample else 0.0)
+        if key not in self._selectors:
+            self._selectors[key] = StrategySelector(self.strategies, self.cost_profile, self.config.selector_window,
+                                                    self.config.exploration)
+        return self._selectors[key]
+
+    def profile(self, batch_size: int, context: int) -> CostProfile:
+        """Measure (once per batch size) what a step of each strategy costs; adaptive generate() calls this."""
+        sizes = [1 << i for i in range(batch_size.bit_length()) if 1 << i <= batch_size] + [batch_size]
+        cap = self.config.max_speculative_batch_size
+        if cap is not None:
+            sizes = [b for b in sizes if b <= cap]
+        return profile_costs(self.target, self.drafter, self.strategies, sizes, context, self.cost_profile)
 
     # ------------------------------------------------------------------ public entry
     @torch.no_grad()
@@ -170,8 +195,14 @@ class _Rollout:
         self.input_ids = input_ids
         batch, self.prompt_len = input_ids.shape
         self.device = input_ids.device
-        self.k_max = 0 if self.config.speculation == "never" else self.config.chain_length
-        self.capacity = self.prompt_len + max_new_tokens + self.k_max + 1
+        strategies = engine.strategies
+        self.fixed = strategies[0] if self.config.speculation == "always" and strategies else NONE
+        self.selector = engine.selector(params.do_sample, params.temperature)
+        if self.selector is not None:
+            engine.profile(batch, self.prompt_len + min(max_new_tokens, 128))
+        # Slots past a row's length that one step may write: verified nodes, or the tree drafter's beams.
+        extra = max([max(s.num_nodes, (s.depth - 1) * s.width) for s in strategies], default=0)
+        self.capacity = self.prompt_len + max_new_tokens + extra + 1
         self.completions = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.stats = GenerationStats(prompt_tokens=int((input_ids.shape[1] - pad).sum()))
@@ -183,7 +214,7 @@ class _Rollout:
         if params.uses_presence:
             presence = torch.zeros(batch, self.target.vocab_size, dtype=torch.bool, device=self.device)
             presence.scatter_(1, input_ids, True)
-        use_drafter = self.drafter is not None and self.k_max > 0
+        use_drafter = self.drafter is not None and bool(strategies)
         self.rows = _Rows(
             index=torch.arange(batch, device=self.device),
             seq=seq,
@@ -249,9 +280,12 @@ class _Rollout:
         self.stats.prefill_seconds += self._now() - start
 
     # ------------------------------------------------------------------ drafting
-    def _draft(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Propose k tokens per row; returns (target ids [B,k], q [B,k,N] or None, draft ids [B,k])."""
-        rows, drafter = self.rows, self.drafter
+    def _catch_up(self) -> torch.Tensor:
+        """Feed the drafter the (feature, token) pairs committed since it last ran; returns its latest
+        prediction [B, H], from which the first draft token is read. Switching strategies, or from plain
+        decoding back to speculation, costs nothing more than this.
+        """
+        rows = self.rows
         dstate = rows.draft_state
         pending = rows.state.length - dstate.length  # pairs (h_s, x_{s+1}) the drafter has not seen yet
         width = int(pending.max())
@@ -260,8 +294,13 @@ class _Rollout:
         hidden_in = rows.features.gather(1, slots[..., None].expand(-1, -1, rows.features.shape[-1]))
         tokens_in = rows.seq.gather(1, slots + 1)
         feature = self._drafter_pass(hidden_in, tokens_in, slots)
-        feature = feature[torch.arange(batch, device=self.device), pending - 1]
         dstate.length = rows.state.length.clone()
+        return feature[torch.arange(batch, device=self.device), pending - 1]
+
+    def _draft(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Propose k tokens per row; returns (target ids [B,k], q [B,k,N] or None, draft ids [B,k])."""
+        rows, drafter = self.rows, self.drafter
+        feature = self._catch_up()
 
         draft_ids, draft_tokens, draft_probs = [], [], []
         for j in range(k):
@@ -281,18 +320,150 @@ class _Rollout:
         q = torch.stack(draft_probs, dim=1) if draft_probs else None
         return torch.stack(draft_tokens, dim=1), q, torch.stack(draft_ids, dim=1)
 
-    def _drafter_pass(self, hidden, tokens, slots) -> torch.Tensor:
+    def _drafter_pass(self, hidden, tokens, slots, positions=None, allowed=None) -> torch.Tensor:
         dstate = self.rows.draft_state
         kv_len = int(slots.max()) + 1
-        mask = additive_mask(attention_allowed(dstate, slots, kv_len), hidden.dtype)
-        positions = (slots - dstate.pad[:, None]).clamp(min=0)
+        if allowed is None:
+            allowed = attention_allowed(dstate, slots, kv_len)
+        mask = additive_mask(allowed[..., :kv_len], hidden.dtype)
+        if positions is None:
+            positions = (slots - dstate.pad[:, None]).clamp(min=0)
         return self.drafter(hidden, tokens, positions, mask, self.rows.draft_kv, slots, kv_len)
 
+    def _draft_scores(self, feature: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [.., N] of the drafter's (warped) next-token law, finite so that every child
+        scores strictly below its parent."""
+        logits = self.drafter.logits(feature)
+        if self.params.do_sample:
+            logits = process_logits(logits, self.draft_params, None, self.warpers)
+        return torch.log_softmax(logits, dim=-1).clamp(min=-1e4)
+
+    def _draft_tree(self, strategy: Strategy) -> DraftTree:
+        """EAGLE-2's dynamic tree: expand the ``width`` best nodes of each level into their ``width`` best
+        children, then keep the ``num_nodes`` best nodes overall by drafted path log-probability.
+
+        Candidates are deterministic given the prefix (point-mass proposals), so :func:`verify_tree`
+        stays exact whatever is selected here.
+        """
+        rows, drafter, device = self.rows, self.drafter, self.device
+        depth, width, budget = strategy.depth, strategy.width, strategy.num_nodes
+        dstate = rows.draft_state
+        batch = rows.seq.shape[0]
+        length, pad = rows.state.length, dstate.pad
+        feature = self._catch_up()
+        scores = self._draft_scores(feature)  # [B, Nd]
+        top_scores, top_ids = scores.topk(width, dim=-1)
+        cand_tokens = [drafter.to_target_ids(top_ids)]
+        cand_scores = [top_scores]
+        cand_parents = [torch.full((batch, width), -1, dtype=torch.long, device=device)]
+        beam = torch.arange(width, device=device).expand(batch, -1)  # candidate index of each beam node
+        beam_tokens, beam_scores = cand_tokens[0], top_scores
+        beam_feature = feature[:, None].expand(-1, width, -1)
+        ancestry = torch.empty(batch, width, 0, dtype=torch.long, device=device)  # drafter slots of ancestors
+        committed = None
+        offset = width
+        penalty = 1e-6  # strict decrease along paths even when a drafter is certain (log 1 = 0)
+        for level in range(1, depth):
+            slots = length[:, None] + (level - 1) * width + torch.arange(width, device=device)
+            ancestry = torch.cat([ancestry, slots[..., None]], dim=2)
+            kv_len = int(slots.max()) + 1
+            if committed is None:
+                keys = torch.arange(kv_len + (depth - 1) * width, device=device)
+                committed = (keys[None] >= pad[:, None]) & (keys[None] < length[:, None])
+            allowed = committed[:, None, :].expand(batch, width, -1).clone()
+            allowed.scatter_(2, ancestry, True)
+            positions = (length - pad)[:, None].expand(-1, width) + (level - 1)
+            out = self._drafter_pass(beam_feature, beam_tokens, slots, positions, allowed)
+            child_scores, child_ids = self._draft_scores(out).topk(width, dim=-1)  # [B, W, W]
+            child_scores = beam_scores[..., None] + child_scores - penalty
+            flat_scores = child_scores.reshape(batch, width * width)
+            cand_scores.append(flat_scores)
+            cand_tokens.append(drafter.to_target_ids(child_ids).reshape(batch, width * width))
+            cand_parents.append(beam[..., None].expand(-1, -1, width).reshape(batch, width * width))
+            best_scores, best = flat_scores.topk(width, dim=-1)
+            parent_of_best = best // width
+            beam = offset + best
+            beam_scores = best_scores
+            beam_tokens = cand_tokens[-1].gather(1, best)
+            beam_feature = out.gather(1, parent_of_best[..., None].expand(-1, -1, out.shape[-1]))
+            ancestry = ancestry.gather(1, parent_of_best[..., None].expand(-1, -1, ancestry.shape[2]))
+            offset += width * width
+        all_scores = torch.cat(cand_scores, dim=1)
+        all_tokens = torch.cat(cand_tokens, dim=1)
+        all_parents = torch.cat(cand_parents, dim=1)
+        levels = [torch.ones(batch, width, dtype=torch.long, device=device)]
+        levels += [torch.full((batch, width * width), lv + 1, dtype=torch.long, device=device)
+                   for lv in range(1, depth)]
+        all_depths = torch.cat(levels, dim=1)
+        chosen = all_scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # parents precede children
+        node_of = torch.zeros(batch, all_scores.shape[1] + 1, dtype=torch.long, device=device)
+        node_of.scatter_(1, chosen + 1, torch.arange(1, budget + 1, device=device).expand(batch, -1))
+        parents = node_of.gather(1, all_parents.gather(1, chosen) + 1)
+        return DraftTree(all_tokens.gather(1, chosen), parents, all_depths.gather(1, chosen))
+
     # ------------------------------------------------------------------ one step
-    def _step(self, k: int) -> None:
+    def _step(self, strategy: Strategy) -> None:
+        batch = self.rows.seq.shape[0]
+        start = self._now()
+        if strategy.kind == "tree":
+            emitted, drafted, accepted = self._tree_step(strategy, start)
+        else:
+            emitted, drafted, accepted = self._chain_step(strategy.depth, start)
+        seconds = self._now() - start
+        self.stats.record_step(batch, emitted, drafted, accepted, seconds, strategy.name)
+        if self.selector is not None:
+            self.selector.observe(strategy, batch, emitted, seconds)
+
+    def _tree_step(self, strategy: Strategy, start: float) -> tuple[int, int, int]:
         rows = self.rows
         batch = rows.seq.shape[0]
-        start = self._now()
+        tree = self._draft_tree(strategy)
+        drafted = self._now()
+        self.stats.draft_seconds += drafted - start
+        length = rows.state.length
+        nodes = tree.num_nodes
+        closure = tree.ancestors()
+        tokens = torch.cat([rows.seq.gather(1, length[:, None]), tree.tokens], dim=1)
+        depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+        positions = (length - rows.state.pad)[:, None] + depths
+        slots = length[:, None] + torch.arange(nodes + 1, device=self.device)
+        kv_len = int(slots.max()) + 1
+        mask = self.target.tree_attention_mask(rows.state, closure, positions, kv_len)
+        rows.cache.plan = WritePlan(slots, kv_len)
+        hidden = self.target.forward(tokens, positions, mask, rows.cache)
+        presence = self._presence_in_tree(tree, closure) if rows.presence is not None else None
+        scores = self._scores(self.target.logits(hidden), presence)
+        if self.params.do_sample:
+            verdict = verify_tree(tree, torch.softmax(scores, dim=-1), self.generator)
+        else:
+            verdict = verify_tree(tree, None, target_argmax=scores.argmax(dim=-1))
+        # The accepted path moves into consecutive slots after the root (keys, values and features).
+        depth = verdict.path.shape[1]
+        steps = torch.arange(depth, device=self.device)
+        on_path = steps[None] < verdict.num_accepted[:, None]
+        dest = length[:, None] + 1 + steps
+        source = torch.where(on_path, length[:, None] + verdict.path, dest)
+        rows.cache.move(source, dest)
+        path_nodes = torch.cat([torch.zeros_like(verdict.path[:, :1]), torch.where(on_path, verdict.path, 0)], 1)
+        self._store_features(hidden.gather(1, path_nodes[..., None].expand(-1, -1, hidden.shape[-1])),
+                             torch.cat([length[:, None], dest], dim=1))
+        path_tokens = tree.tokens.gather(1, (verdict.path - 1).clamp(min=0))
+        emitted = torch.cat([path_tokens, path_tokens.new_zeros(batch, 1)], dim=1)
+        emitted.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])
+        count = self._commit(emitted, verdict.num_accepted, length + 1, advance=verdict.num_accepted + 1)
+        self.stats.verify_seconds += self._now() - drafted
+        return count, batch * nodes, int(verdict.num_accepted.sum())
+
+    def _presence_in_tree(self, tree: DraftTree, closure: torch.Tensor) -> torch.Tensor:
+        """Presence masks [B, 1+N, V] after each node: history plus the tokens on the path to the node."""
+        presence = self.rows.presence[:, None].repeat(1, tree.num_nodes + 1, 1)
+        b, i, j = closure[:, :, 1:].nonzero(as_tuple=True)
+        presence[b, i, tree.tokens[b, j]] = True
+        return presence
+
+    def _chain_step(self, k: int, start: float) -> tuple[int, int, int]:
+        rows = self.rows
+        batch = rows.seq.shape[0]
         if k > 0:
             drafts, q, draft_ids = self._draft(k)
             drafted = self._now()
@@ -328,7 +499,7 @@ class _Rollout:
         else:
             self.stats.decode_seconds += end - start
         accepted = int(verdict.num_accepted.sum()) if k > 0 else 0
-        self.stats.record_step(batch, emitted_count, batch * k, accepted, end - start)
+        return emitted_count, batch * k, accepted
 
     def _presence_along(self, drafts: torch.Tensor) -> torch.Tensor:
         """Presence masks [B, k+1, V] for each verified position: history plus the drafts before it."""
@@ -392,14 +563,19 @@ class _Rollout:
         rows.select(keep)
 
     # ------------------------------------------------------------------ main loop
-    def _chain_length(self, batch: int) -> int:
-        mode = self.config.speculation
-        if mode == "never" or not self.use_drafter:
-            return 0
-        if mode == "adaptive" and batch > self.config.max_speculative_batch_size:
-            return 0
+    def _choose(self, batch: int) -> Strategy:
+        if not self.use_drafter:
+            return NONE
         remaining = int((self.max_new - self.rows.generated).max())
-        return max(0, min(self.k_max, remaining - 1))
+        if remaining <= 1:
+            return NONE  # the next token is the last one: nothing to draft for
+        cap = self.config.max_speculative_batch_size
+        if self.config.speculation == "adaptive" and cap is not None and batch > cap:
+            return NONE
+        strategy = self.fixed if self.selector is None else self.selector.choose(batch)
+        if strategy.kind == "chain" and strategy.depth >= remaining:
+            return Strategy("chain", depth=remaining - 1, num_nodes=remaining - 1)
+        return strategy
 
     def run(self) -> GenerationResult:
         begin = self._now()
@@ -412,7 +588,7 @@ class _Rollout:
         self._record_memory()
         while self.rows.seq.shape[0] > 0:
             before = self.stats.generated_tokens
-            self._step(self._chain_length(self.rows.seq.shape[0]))
+            self._step(self._choose(self.rows.seq.shape[0]))
             self._record_memory()
             if progress is not None:
                 progress.update(self.stats.generated_tokens - before)

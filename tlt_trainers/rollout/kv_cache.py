@@ -54,6 +54,16 @@ class RowKV:
             self.keys = self.keys.index_select(0, keep)
             self.values = self.values.index_select(0, keep)
 
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy slots ``source`` [B, m] to ``dest`` [B, m] per row (all reads happen before the writes)."""
+        if self.keys is None:
+            return
+        b, h, _, d = self.keys.shape
+        src = source[:, None, :, None].expand(b, h, -1, d)
+        dst = dest[:, None, :, None].expand(b, h, -1, d)
+        for buffer in (self.keys, self.values):
+            buffer.scatter_(2, dst, buffer.gather(2, src))
+
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
@@ -111,6 +121,11 @@ class RowCache(Cache):
         for layer in self.layers:
             layer.store.select(keep)
 
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Move the accepted path of a draft tree into consecutive slots, in every layer."""
+        for layer in self.layers:
+            layer.store.move(source, dest)
+
     def nbytes(self) -> int:
         return sum(layer.store.nbytes() for layer in self.layers)
 
@@ -135,3 +150,26 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+def tree_attention_allowed(state: RowState, closure: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                           window: int | None = None) -> torch.Tensor:
+    """Bool [B, 1+N, kv_len] for a draft tree written at slots ``length .. length+N`` of each row.
+
+    Node i sees the committed slots of its row and the slots of its ancestors (and itself), as given by
+    ``closure`` [B, 1+N, 1+N]; ``positions`` [B, 1+N] are the nodes' positions (used by sliding windows).
+    """
+    batch, nodes, _ = closure.shape
+    device = closure.device
+    slots = torch.arange(kv_len, device=device)
+    committed = (slots[None] >= state.pad[:, None]) & (slots[None] < state.length[:, None])
+    allowed = committed[:, None, :].expand(batch, nodes, kv_len).clone()
+    tree_slots = state.length[:, None] + torch.arange(nodes, device=device)
+    allowed.scatter_(2, tree_slots[:, None, :].expand(batch, nodes, nodes), closure)
+    if window is not None:
+        key_positions = (slots[None] - state.pad[:, None]).expand(batch, kv_len).clone()
+        key_positions.scatter_(1, tree_slots, positions)
+        near = positions[:, :, None] - key_positions[:, None, :] < window
+        diagonal = torch.zeros_like(allowed).scatter_(2, tree_slots[:, :, None], True)
+        allowed = (allowed & near) | diagonal
+    return allowed

@@ -30,6 +30,16 @@ class BucketStats:
 
 
 @dataclass
+class StepRecord:
+    """One engine step: the active rows, the strategy used, tokens emitted and seconds taken."""
+
+    batch_size: int
+    strategy: str
+    emitted: int
+    seconds: float
+
+
+@dataclass
 class GenerationStats:
     """Counters of one generate() call. ``acceptance_length`` is tokens emitted per policy forward per row."""
 
@@ -47,6 +57,8 @@ class GenerationStats:
     total_seconds: float = 0.0
     peak_cache_bytes: int = 0
     buckets: dict[str, BucketStats] = field(default_factory=dict)
+    strategies: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> strategy -> steps
+    trace: list[StepRecord] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -60,8 +72,13 @@ class GenerationStats:
     def draft_acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
-    def record_step(self, batch_size: int, emitted: int, drafted: int, accepted: int, seconds: float) -> None:
-        bucket = self.buckets.setdefault(bucket_name(batch_size), BucketStats())
+    def record_step(self, batch_size: int, emitted: int, drafted: int, accepted: int, seconds: float,
+                    strategy: str = "none") -> None:
+        name = bucket_name(batch_size)
+        bucket = self.buckets.setdefault(name, BucketStats())
+        chosen = self.strategies.setdefault(name, {})
+        chosen[strategy] = chosen.get(strategy, 0) + 1
+        self.trace.append(StepRecord(batch_size, strategy, emitted, seconds))
         bucket.steps += 1
         bucket.speculative_steps += int(drafted > 0)
         bucket.row_forwards += batch_size

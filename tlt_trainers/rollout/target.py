@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kv_cache import RowCache, RowState, additive_mask, attention_allowed
+from .kv_cache import RowCache, RowState, additive_mask, attention_allowed, tree_attention_allowed
 
 
 def text_config(model: nn.Module):
@@ -79,6 +79,14 @@ class TargetModel:
             return full
         sliding = additive_mask(attention_allowed(state, query_slots, kv_len, self.sliding_window), self.dtype)
         return {"full_attention": full, "sliding_attention": sliding}
+
+    def tree_attention_mask(self, state: RowState, closure: torch.Tensor, positions: torch.Tensor, kv_len: int):
+        """Masks for a draft tree verified at slots ``length .. length + N`` (see ``tree_attention_allowed``)."""
+        full = additive_mask(tree_attention_allowed(state, closure, positions, kv_len), self.dtype)
+        if self.sliding_window is None:
+            return full
+        sliding = tree_attention_allowed(state, closure, positions, kv_len, self.sliding_window)
+        return {"full_attention": full, "sliding_attention": additive_mask(sliding, self.dtype)}
 
     def forward(self, input_ids, position_ids, attention_mask, cache: RowCache) -> torch.Tensor:
         """Final (normed) hidden states [B, q, H] of the policy."""

@@ -1,0 +1,137 @@
+"""What a step costs on this device: a one-off profile of the policy and drafter, refined by every step.
+
+Whether speculation pays at a batch size is a question about the device: on a GPU a forward over
+8 rows costs about what 1 row costs, on a CPU it does not. The profile times one policy forward
+(decoder, LM head, softmax) over q new tokens per row for a few batch sizes, with a realistic
+cache length, and one drafter pass. Each engine step then corrects the prediction for its
+strategy and batch bucket (an exponential moving average of measured / predicted), so the model
+follows what the hardware really does, including overheads the profile cannot see.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..spec.strategy import Strategy
+from .kv_cache import RowKV, RowState, WritePlan, additive_mask, attention_allowed
+
+
+def selector_bucket(batch_size: int) -> int:
+    """Power-of-two buckets (1, 2, 3-4, 5-8, ...): costs within one differ little."""
+    return 1 << max(0, math.ceil(math.log2(max(batch_size, 1))))
+
+
+def _timed(fn, sync: bool) -> float:
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@dataclass
+class CostProfile:
+    """Seconds of one policy forward (``verify``) and one drafter pass (``draft``) by (batch, tokens per row)."""
+
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[tuple[int, int], float] = field(default_factory=dict)
+    seconds_spent: float = 0.0
+
+    def batch_sizes(self) -> list[int]:
+        return sorted({b for b, _ in self.verify})
+
+    def _lookup(self, table: dict, batch: int, tokens: int) -> float:
+        """Linear interpolation in the batch size between measured sizes (inf where not measured)."""
+        sizes = sorted({b for b, q in table if q == tokens})
+        if not sizes:
+            return math.inf
+        if batch <= sizes[0]:
+            return table[(sizes[0], tokens)]
+        if batch >= sizes[-1]:
+            return table[(sizes[-1], tokens)] * batch / sizes[-1]
+        upper = next(b for b in sizes if b >= batch)
+        lower = max(b for b in sizes if b <= batch)
+        if upper == lower:
+            return table[(lower, tokens)]
+        w = (batch - lower) / (upper - lower)
+        return (1 - w) * table[(lower, tokens)] + w * table[(upper, tokens)]
+
+    def step_seconds(self, strategy: Strategy, batch: int) -> float:
+        """Predicted seconds of one engine step with ``strategy`` at ``batch`` active rows."""
+        verify = self._lookup(self.verify, batch, strategy.tokens_per_row)
+        if strategy.kind == "none":
+            return verify
+        catch_up = self._lookup(self.draft, batch, 1)
+        if strategy.kind == "chain":
+            return verify + strategy.depth * catch_up
+        return verify + catch_up + (strategy.depth - 1) * self._lookup(self.draft, batch, strategy.width)
+
+    def to_dict(self) -> dict:
+        return {"verify": {f"{b}x{q}": s for (b, q), s in sorted(self.verify.items())},
+                "draft": {f"{b}x{q}": s for (b, q), s in sorted(self.draft.items())},
+                "seconds_spent": self.seconds_spent}
+
+
+@torch.no_grad()
+def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list[int], context: int,
+                  profile: CostProfile | None = None) -> CostProfile:
+    """Measure what ``strategies`` need at ``batch_sizes`` (skipping sizes already in ``profile``).
+
+    Token counts are measured in increasing order per batch size and stop once a forward costs more
+    than the most any remaining strategy could emit per row: such strategies cannot pay there.
+    """
+    profile = profile or CostProfile()
+    begin = time.perf_counter()
+    device = target.device
+    sync = device.type == "cuda"
+    token_counts = sorted({1} | {s.tokens_per_row for s in strategies})
+    widths = sorted({1} | {s.width for s in strategies if s.kind == "tree"})
+    done = set(profile.batch_sizes())
+    for batch in sorted(set(batch_sizes) - done):
+        capacity = context + token_counts[-1] + 1
+        state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
+                         torch.full((batch,), context, dtype=torch.long, device=device))
+        cache = target.new_cache(capacity)
+        base = None
+        for q in token_counts:
+            best_possible = max((s.max_emitted for s in strategies if s.tokens_per_row >= q), default=1)
+            if base is not None and profile.verify[(batch, token_counts[token_counts.index(q) - 1])] > \
+                    best_possible * base:
+                break
+            slots = context + torch.arange(q, device=device).expand(batch, -1)
+            tokens = torch.randint(0, target.vocab_size, (batch, q), device=device)
+            mask = target.attention_mask(state, slots, context + q)
+
+            def run(tokens=tokens, slots=slots, mask=mask, q=q, cache=cache):
+                cache.plan = WritePlan(slots, context + q)
+                hidden = target.forward(tokens, slots, mask, cache)
+                torch.softmax(target.logits(hidden), dim=-1)
+
+            if base is None:
+                run()  # allocates the cache and warms kernels up
+            profile.verify[(batch, q)] = _timed(run, sync)
+            base = base or profile.verify[(batch, 1)]
+        if drafter is not None:
+            kv = RowKV(context + max(widths) + 1)
+            hidden_size = drafter.config.hidden_size
+            for width in widths:
+                slots = context + torch.arange(width, device=device).expand(batch, -1)
+                allowed = attention_allowed(state, slots, context + width)
+                mask = additive_mask(allowed, target.dtype)
+                hidden = torch.zeros(batch, width, hidden_size, dtype=target.dtype, device=device)
+                tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+
+                def run_draft(hidden=hidden, tokens=tokens, slots=slots, mask=mask, width=width, kv=kv):
+                    out = drafter(hidden, tokens, slots, mask, kv, slots, context + width)
+                    torch.log_softmax(drafter.logits(out), dim=-1).topk(max(widths), dim=-1)
+
+                run_draft()
+                profile.draft[(batch, width)] = _timed(run_draft, sync)
+    profile.seconds_spent += time.perf_counter() - begin
+    return profile

@@ -1,0 +1,109 @@
+"""Choosing a strategy per step: a sliding-window UCB bandit over expected speedup per batch bucket.
+
+The reward of a strategy at batch size b is its speedup over plain decoding:
+``accepted tokens per row and step / (step seconds / plain step seconds)``. Its two factors are
+estimated separately because they generalise differently:
+
+* tokens per row and step depend on how well the drafter predicts the policy, not on the batch
+  size, so every step informs every bucket; a sliding window forgets what a stale drafter did.
+* the relative cost depends on the batch size and the device: a profile predicts it and every
+  step corrects the prediction for its bucket (see :mod:`.costs`).
+
+Plain decoding has speedup 1 by definition and is always an arm, so speculation is used only
+where it is expected to pay. TLT's table seeds the optimism of the first choices, nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from ..spec.strategy import NONE, Strategy, tlt_prior
+from .costs import CostProfile, selector_bucket
+
+
+class StrategySelector:
+    def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
+                 exploration: float = 0.3, prior_steps: float = 2.0, cost_smoothing: float = 0.2):
+        self.strategies = [s for s in strategies if s.kind != "none"]
+        self.profile = profile
+        self.window = window
+        self.exploration = exploration
+        self.prior_steps = prior_steps
+        self.cost_smoothing = cost_smoothing
+        self.steps = 0
+        self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
+        self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
+        self.chosen: dict[int, dict[str, int]] = {}
+
+    # --------------------------------------------------------------- estimates
+    def _prior(self, strategy: Strategy, batch: int) -> float:
+        """Optimistic tokens per step before any measurement; TLT's choice for the bucket ranks first."""
+        value = 1.0 + 0.3 * strategy.depth
+        if strategy == tlt_prior(batch):
+            value += 0.5
+        return min(value, strategy.max_emitted)
+
+    def _recent(self, strategy: Strategy) -> deque:
+        history = self.observed[strategy.name]
+        while history and history[0][0] <= self.steps - self.window:
+            history.popleft()
+        return history
+
+    def acceptance(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
+        """Tokens per row and step: windowed mean with the prior as pseudo-observations, plus a UCB bonus."""
+        history = self._recent(strategy)
+        n = len(history) + self.prior_steps
+        mean = (sum(a for _, a in history) + self.prior_steps * self._prior(strategy, batch)) / n
+        if optimism:
+            mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * strategy.depth
+        return min(mean, strategy.max_emitted)
+
+    def step_seconds(self, strategy: Strategy, batch: int) -> float:
+        predicted = self.profile.step_seconds(strategy, batch)
+        return predicted * self.correction.get((selector_bucket(batch), strategy.name), 1.0)
+
+    def relative_cost(self, strategy: Strategy, batch: int) -> float:
+        return self.step_seconds(strategy, batch) / self.step_seconds(NONE, batch)
+
+    def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
+        if strategy.kind == "none":
+            return 1.0
+        cost = self.relative_cost(strategy, batch)
+        return self.acceptance(strategy, batch, optimism) / cost if math.isfinite(cost) else 0.0
+
+    # --------------------------------------------------------------- decisions
+    def choose(self, batch: int) -> Strategy:
+        best, best_value = NONE, 1.0
+        for strategy in self.strategies:
+            value = self.speedup(strategy, batch, optimism=True)
+            if value > best_value:
+                best, best_value = strategy, value
+        counts = self.chosen.setdefault(selector_bucket(batch), {})
+        counts[best.name] = counts.get(best.name, 0) + 1
+        return best
+
+    def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float) -> None:
+        self.steps += 1
+        if strategy.kind != "none":
+            history = self.observed.get(strategy.name)
+            if history is not None:
+                history.append((self.steps, emitted / batch))
+        predicted = self.profile.step_seconds(strategy, batch)
+        if math.isfinite(predicted) and predicted > 0:
+            key = (selector_bucket(batch), strategy.name)
+            ratio = seconds / predicted
+            old = self.correction.get(key)
+            alpha = self.cost_smoothing
+            self.correction[key] = ratio if old is None else math.exp(
+                (1 - alpha) * math.log(old) + alpha * math.log(ratio))
+
+    def summary(self) -> dict:
+        """What the selector believes now: acceptance per strategy, relative cost and choices per bucket."""
+        buckets = sorted({b for b, _ in self.correction} | set(self.chosen))
+        return {
+            "acceptance": {s.name: self.acceptance(s, 1) for s in self.strategies},
+            "observed_steps": {s.name: len(self._recent(s)) for s in self.strategies},
+            "relative_cost": {b: {s.name: self.relative_cost(s, b) for s in self.strategies} for b in buckets},
+            "chosen": {b: dict(c) for b, c in self.chosen.items()},
+        }

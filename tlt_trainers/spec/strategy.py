@@ -1,0 +1,85 @@
+"""Speculation strategies: what one engine step proposes before the policy verifies.
+
+``none``          plain decoding, one token per row and step;
+``chain:K``       K drafts sampled from the drafter (rejection sampling against its q);
+``tree:DxW:N``    EAGLE-2 style dynamic tree: D levels, the W best nodes expanded per level into
+                  their W best children, the N best nodes overall (by drafted path probability)
+                  verified in one pass with tree attention.
+
+Names are what users write in ``TLTConfig`` and what the stats report.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TREE = re.compile(r"^tree:(\d+)x(\d+):(\d+)$")
+_CHAIN = re.compile(r"^chain:(\d+)$")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    kind: str  # "none" | "chain" | "tree"
+    depth: int = 0  # draft levels (chain length for chains)
+    width: int = 1  # nodes expanded per level and children per node (trees)
+    num_nodes: int = 0  # candidates verified per row (excluding the root)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "chain":
+            return f"chain:{self.depth}"
+        return f"tree:{self.depth}x{self.width}:{self.num_nodes}"
+
+    @property
+    def tokens_per_row(self) -> int:
+        """Tokens per row in the verify pass (the root included)."""
+        return self.num_nodes + 1
+
+    @property
+    def max_emitted(self) -> int:
+        return self.depth + 1
+
+    def __str__(self) -> str:
+        return self.name
+
+
+NONE = Strategy("none")
+
+
+def parse_strategy(name: str) -> Strategy:
+    """``"none"``, ``"chain:K"`` or ``"tree:DxW:N"`` -> Strategy, with an error that shows the syntax."""
+    text = str(name).strip().lower()
+    if text == "none":
+        return NONE
+    if match := _CHAIN.match(text):
+        k = int(match.group(1))
+        if k < 1:
+            raise ValueError(f"Strategy {name!r}: a chain needs at least 1 draft token.")
+        return Strategy("chain", depth=k, width=1, num_nodes=k)
+    if match := _TREE.match(text):
+        depth, width, nodes = (int(g) for g in match.groups())
+        if depth < 1 or width < 1:
+            raise ValueError(f"Strategy {name!r}: depth and width must be >= 1.")
+        most = width + (depth - 1) * width * width
+        if not depth <= nodes <= most:
+            raise ValueError(
+                f"Strategy {name!r}: the number of verified nodes must be between the depth ({depth}) and the "
+                f"number of drafted nodes ({most} = W + (D-1)*W*W)."
+            )
+        return Strategy("tree", depth=depth, width=width, num_nodes=nodes)
+    raise ValueError(
+        f"Unknown speculation strategy {name!r}; use 'none', 'chain:K' (e.g. 'chain:4') or 'tree:DxW:N' "
+        "(e.g. 'tree:8x4:48': depth 8, top-4 expansion, 48 verified tokens)."
+    )
+
+
+def tlt_prior(batch_size: int) -> Strategy:
+    """TLT's table (depth 8, top-k 4; 48/32/16/8 verified tokens for batch 1 / 2-4 / 5-20 / 21+).
+
+    Only a starting point: the selector measures and moves away from it.
+    """
+    nodes = 48 if batch_size <= 1 else 32 if batch_size <= 4 else 16 if batch_size <= 20 else 8
+    return Strategy("tree", depth=8, width=4, num_nodes=nodes)
