@@ -87,13 +87,15 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
     than the most any remaining strategy could emit per row: such strategies cannot pay there.
     """
     profile = profile or CostProfile()
+    todo = sorted(set(batch_sizes) - set(profile.batch_sizes()))
+    if not todo:
+        return profile
     begin = time.perf_counter()
     device = target.device
     sync = device.type == "cuda"
     token_counts = sorted({1} | {s.tokens_per_row for s in strategies})
     widths = sorted({1} | {s.width for s in strategies if s.kind == "tree"})
-    done = set(profile.batch_sizes())
-    for batch in sorted(set(batch_sizes) - done):
+    for batch in todo:
         capacity = context + token_counts[-1] + 1
         state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
                          torch.full((batch,), context, dtype=torch.long, device=device))

@@ -16,13 +16,14 @@ Data structure, and why. Each key (a GRPO group) owns a context trie over revers
 PPM compression): the path root -> x[p-1] -> x[p-2] -> ... leads to the node of the context that
 precedes position p, and the node counts the tokens that followed that context. A lookup walks at
 most ``max_match`` dict lookups from the root whatever the history's size, and an insertion walks as
-many (O(len * max_match), no rebuilds). A plain n-gram table stores every context length of every
-position (``max_match - min_match + 1`` entries a token, ~1.5 KB/token in CPython); here a context
-that occurred once is a single leaf that points into the stored tokens, and is only expanded into
-nodes when a second occurrence shares it, so memory follows the repeated content. Scanning the raw
-tokens (``bytes.find``) needs only 4 bytes a token but costs time in proportion to the history
-(~100 us a scan over 64k tokens, several scans a token), which is too slow for the group's
-history but right for the row's own context (a few thousand tokens, no index to keep up to date).
+many (O(len * max_match), no rebuilds). An n-gram table keyed by the last n tokens stores every
+context length of every position (up to ``max_match - min_match + 1`` entries a token: 580-1000
+B/token measured with hashed keys); here a context that occurred once is a single leaf that points
+into the stored tokens, expanded into nodes only when a second occurrence shares it, so memory
+follows the repeated content (155-400 B/token on the same groups). Scanning the raw tokens
+(``bytes.find``) needs 4 bytes a token but time in proportion to the history (50-200 us to list a
+suffix's occurrences in 64k tokens, several times a token): too slow for a group's history, right
+for the row's own context (a few thousand tokens, nothing to keep up to date between calls).
 
 There is no global pool across keys: a lookup is only as cheap as the sources it searches, cross-
 prompt matches are mostly generic phrasing that the model drafter already predicts, and a caller
@@ -53,7 +54,7 @@ class Proposal:
 
 
 class _Node:
-    """A context that occurred at least twice (or did once and has not been evicted since)."""
+    """A context that occurred at least twice (one whose occurrences were evicted down to one stays a node)."""
 
     __slots__ = ("children", "counts", "total")
 
@@ -112,10 +113,14 @@ class HistoryIndex:
 
     Args:
         max_tokens: at most this many history tokens are kept; the oldest sequences are evicted first.
+            Memory is 150-400 bytes a token (more when rollouts repeat each other), see ``nbytes``.
         max_match: longest suffix that is matched (longer contexts are not told apart).
         min_match: shortest suffix that may propose a token.
         keep_steps: sequences are kept for this many RL steps, the current one included (see ``new_step``).
         search_context: also match against the row's own context (prompt lookup).
+        max_context_hits: the own context counts only its most recent occurrences of the matched suffix,
+            at most this many. Counting all of them would cost a Python step per occurrence, and a row
+            stuck in a loop (the long tail's classic) has one every few tokens.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class HistoryIndex:
         min_match: int = 2,
         keep_steps: int = 4,
         search_context: bool = True,
+        max_context_hits: int = 8,
     ) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (0 keeps no history), got {max_tokens}")
@@ -132,6 +138,10 @@ class HistoryIndex:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
         if min_match > max_match:
             raise ValueError(f"min_match ({min_match}) must be <= max_match ({max_match})")
+        if max_context_hits < 1:
+            raise ValueError(
+                f"max_context_hits must be >= 1 (search_context=False turns the search off), got {max_context_hits}"
+            )
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1 (1 keeps only the current step), got {keep_steps}")
         self.max_tokens = max_tokens
@@ -139,6 +149,7 @@ class HistoryIndex:
         self.min_match = min_match
         self.keep_steps = keep_steps
         self.search_context = search_context
+        self.max_context_hits = max_context_hits
         self.clear()
 
     # ------------------------------------------------------------------ state
@@ -161,7 +172,7 @@ class HistoryIndex:
         """Estimated bytes held: trie nodes, their dicts and ints, and the stored token arrays.
 
         Tracked incrementally from CPython's object sizes (O(1) to read); it ignores allocator
-        overhead and the slack that dicts keep after deletions.
+        overhead and the slack that dicts keep after deletions (within 2% of tracemalloc's count).
         """
         return self._bytes + sys.getsizeof(self._groups) + sys.getsizeof(self._seqs)
 
@@ -316,7 +327,11 @@ class HistoryIndex:
     # ------------------------------------------------------------------ proposals
 
     def propose(self, key: Hashable, context: Sequence[int], max_tokens: int) -> Proposal:
-        """Propose up to ``max_tokens`` tokens continuing ``context`` (the row's prompt + tokens so far)."""
+        """Propose up to ``max_tokens`` tokens continuing ``context`` (the row's prompt + tokens so far).
+
+        A key with no history leaves the row's own context as the only source. ``match_length`` is
+        reported even for ``max_tokens=0``: a cheap signal of how well history covers the row.
+        """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         toks = _as_tokens(context, "context")
@@ -385,11 +400,11 @@ class HistoryIndex:
         ctx_len = 0
         if buf is not None:
             lo, hi = max(min_match, hist_len), min(self.max_match, size - 1)
-            if lo <= hi and _find_suffix(buf, lo, size) >= 0:
+            if lo <= hi and _rfind_suffix(buf, lo, size) >= 0:
                 ctx_len = lo
                 while ctx_len < hi:  # binary search: occurring is monotone in the suffix length
                     mid = (ctx_len + hi + 1) // 2
-                    if _find_suffix(buf, mid, size) >= 0:
+                    if _rfind_suffix(buf, mid, size) >= 0:
                         ctx_len = mid
                     else:
                         hi = mid - 1
@@ -406,23 +421,28 @@ class HistoryIndex:
                 counts.update(hist_node.counts)
         ctx_counts: dict[int, int] = {}
         if ctx_len == length:
-            i = _find_suffix(buf, length, size)
-            while i >= 0:
+            end = (size - 1) * _WIDTH
+            for _ in range(self.max_context_hits):  # the most recent occurrences first
+                i = _rfind_suffix(buf, length, size, end)
+                if i < 0:
+                    break
                 t = toks[i // _WIDTH + length]
                 ctx_counts[t] = ctx_counts.get(t, 0) + 1
                 counts[t] = counts.get(t, 0) + 1
-                i = _find_suffix(buf, length, size, i + 1)
+                end = i + (length * _WIDTH) - 1  # the next one starts before this one
         # Most frequent; ties go to the row's own context (its own path), then to the smaller id.
         best = max(counts, key=lambda t: (counts[t], ctx_counts.get(t, 0), -t))
         return length, best, counts[best] / sum(counts.values())
 
 
-def _find_suffix(buf: bytearray, length: int, size: int, start: int = 0) -> int:
-    """Byte offset of the first occurrence at or after ``start`` of the last ``length`` tokens of
-    ``buf`` (``size`` tokens) that has a token after it; -1 if none. Skips matches that straddle tokens."""
+def _rfind_suffix(buf: bytearray, length: int, size: int, end: int = -1) -> int:
+    """Byte offset of the last occurrence, ending at or before byte ``end``, of the last ``length`` tokens
+    of ``buf`` (``size`` tokens), or -1. By default ``end`` leaves out the last token, so a token follows
+    every occurrence found. Matches that straddle token boundaries are skipped."""
     pattern = buf[(size - length) * _WIDTH :]
-    end = (size - 1) * _WIDTH  # the occurrence must end before the last token, so a token follows it
-    i = buf.find(pattern, start, end)
-    while i >= 0 and i % _WIDTH:
-        i = buf.find(pattern, i + 1, end)
+    if end < 0:
+        end = (size - 1) * _WIDTH
+    i = buf.rfind(pattern, 0, end)
+    while i > 0 and i % _WIDTH:
+        i = buf.rfind(pattern, 0, i + len(pattern) - 1)
     return i

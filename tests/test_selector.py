@@ -1,0 +1,113 @@
+"""The adaptive selector: speculate where the measured costs and acceptance say it pays, nowhere else."""
+
+import pytest
+import torch
+from tiny_models import EOS, PAD, padded_prompts, tiny_model
+
+from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.rollout.costs import CostProfile, selector_bucket
+from tlt_trainers.rollout.selector import StrategySelector
+from tlt_trainers.spec.strategy import NONE, parse_strategy, tlt_prior
+
+ARMS = [parse_strategy(n) for n in ("chain:4", "tree:4x2:8", "tree:8x4:32")]
+
+
+def synthetic_profile() -> CostProfile:
+    """Batch 1: extra tokens nearly free (GPU-like long tail); batch 64: cost grows with every token."""
+    profile = CostProfile()
+    for batch, slope in ((1, 0.01), (64, 0.5)):
+        for q in (1, 5, 9, 33):
+            profile.verify[(batch, q)] = 0.01 * batch ** 0.5 * (1 + slope * (q - 1))
+        for width in (1, 2, 4):
+            profile.draft[(batch, width)] = 0.0005 * batch ** 0.5
+    return profile
+
+
+def feed(selector, strategy, batch, tokens_per_row, steps=20):
+    for _ in range(steps):
+        seconds = selector.profile.step_seconds(strategy, batch)
+        selector.observe(strategy, batch, int(tokens_per_row * batch), seconds)
+
+
+def test_plain_decoding_at_large_batch_speculation_in_the_tail():
+    selector = StrategySelector(ARMS, synthetic_profile())
+    assert selector.choose(64) == NONE
+    assert selector.choose(1).kind != "none"
+
+
+def test_tlt_table_is_the_first_choice_where_it_is_affordable():
+    arms = ARMS + [tlt_prior(1)]
+    selector = StrategySelector(arms, synthetic_profile(), exploration=0.0)
+    profile = selector.profile
+    for q in (49,):
+        profile.verify[(1, q)] = 0.01 * (1 + 0.01 * (q - 1))
+        profile.verify[(64, q)] = 0.08 * (1 + 0.5 * (q - 1))
+    assert selector.choose(1) == tlt_prior(1)
+
+
+def test_poor_acceptance_switches_speculation_off():
+    selector = StrategySelector(ARMS, synthetic_profile(), exploration=0.0)
+    for arm in ARMS:
+        feed(selector, arm, 1, tokens_per_row=1.0)
+    assert selector.choose(1) == NONE
+
+
+def test_measured_acceptance_picks_the_best_arm():
+    selector = StrategySelector(ARMS, synthetic_profile(), exploration=0.0)
+    feed(selector, ARMS[0], 1, 1.5)
+    feed(selector, ARMS[1], 1, 1.6)
+    feed(selector, ARMS[2], 1, 4.0)
+    assert selector.choose(1) == ARMS[2]
+    assert selector.acceptance(ARMS[2], 1) == pytest.approx((20 * 4.0 + 2 * selector._prior(ARMS[2], 1)) / 22)
+
+
+def test_slow_steps_raise_the_measured_cost_of_their_bucket_only():
+    selector = StrategySelector(ARMS, synthetic_profile(), exploration=0.0)
+    feed(selector, ARMS[2], 1, 4.0)
+    before = selector.relative_cost(ARMS[2], 1)
+    for _ in range(30):  # the device turns out 5x slower for this strategy at batch 1 than profiled
+        selector.observe(ARMS[2], 1, 4, 5 * selector.profile.step_seconds(ARMS[2], 1))
+    assert selector.relative_cost(ARMS[2], 1) > 4 * before
+    assert selector.relative_cost(ARMS[2], 2) == pytest.approx(selector.profile.step_seconds(ARMS[2], 2)
+                                                               / selector.profile.step_seconds(NONE, 2))
+    assert selector.choose(1) != ARMS[2]
+
+
+def test_window_forgets_a_stale_drafter():
+    selector = StrategySelector(ARMS[:1], synthetic_profile(), window=50, exploration=0.0)
+    feed(selector, ARMS[0], 1, 1.0, steps=100)
+    assert selector.choose(1) == NONE
+    for _ in range(60):  # plain steps elsewhere age the old observations out
+        selector.observe(NONE, 64, 64, selector.profile.step_seconds(NONE, 64))
+    assert selector.acceptance(ARMS[0], 1) == pytest.approx(selector._prior(ARMS[0], 1))
+    assert selector.choose(1) == ARMS[0]
+
+
+def test_profile_interpolates_and_refuses_unmeasured():
+    profile = synthetic_profile()
+    assert profile.step_seconds(NONE, 1) == pytest.approx(0.01)
+    middle = profile.step_seconds(NONE, 32)
+    assert profile.step_seconds(NONE, 1) < middle < profile.step_seconds(NONE, 64)
+    assert profile.step_seconds(parse_strategy("tree:8x4:48"), 1) == float("inf")
+    assert [selector_bucket(b) for b in (1, 2, 3, 4, 5, 17, 64)] == [1, 2, 4, 4, 8, 32, 64]
+
+
+def test_adaptive_engine_profiles_once_and_stays_exact():
+    model = tiny_model("llama", logit_scale=4.0)
+    torch.manual_seed(0)
+    drafter = EagleDrafter.from_target(model)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="adaptive"))
+    ids, mask = padded_prompts([3, 9, 5, 1, 7, 2], seed=10)
+    for _ in range(2):
+        ours = engine.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
+                               pad_token_id=PAD)
+        reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
+                                   pad_token_id=PAD)
+        assert torch.equal(ours.sequences, reference)
+    assert sorted(engine.cost_profile.batch_sizes()) == [1, 2, 4, 6]
+    spent = engine.cost_profile.seconds_spent
+    engine.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
+    assert engine.cost_profile.seconds_spent == spent  # profiled once
+    summary = engine.selector(False).summary()
+    assert summary["chosen"] and set(summary["acceptance"]) == {s.name for s in engine.strategies}
+    assert sum(ours.stats.strategies["5-16"].values()) == ours.stats.buckets["5-16"].steps
