@@ -49,6 +49,7 @@ must be identical to model.generate's. Writes benchmarks/results/bench_rollout[_
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -81,6 +82,10 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0, help="rep r samples with seed + r, the same for all engines")
     p.add_argument("--prompt-seed", type=int, default=7,
                    help="reasoning-gym seed of the rollout prompts (the drafter trains on seed 1000)")
+    p.add_argument("--dataset", default="basic_arithmetic",
+                   help="reasoning-gym task of the rollout prompts; with the default instruction SmolLM2's answers at "
+                        "T=1 are long-tailed (median ~40 tokens, some past 160)")
+    p.add_argument("--instruction", default=" Give only the final answer.", help="appended to every question")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma separated subset of {','.join(ENGINES)}")
     p.add_argument("--k", type=int, default=4, help="draft chain length of the 'always' engine")
     p.add_argument("--tail-fraction", type=float, default=0.25,
@@ -288,7 +293,8 @@ def main():
             engines[name] = SpeculativeGenerator(model, drafter, TLTConfig(speculation="adaptive"))
 
     batch = args.num_prompts * args.group_size
-    prompts = math_prompts(tok, args.num_prompts, seed=args.prompt_seed)
+    prompts = math_prompts(tok, args.num_prompts, seed=args.prompt_seed, dataset=args.dataset,
+                           instruction=args.instruction)
     ids, mask = encode(tok, [p for p in prompts for _ in range(args.group_size)])  # GRPO groups, adjacent
     ids, mask = ids.to(device), mask.to(device)
     tail_rows = args.tail_fraction * batch
@@ -300,17 +306,23 @@ def main():
         run_engine(model, tok, engine, small_ids, small_mask, 4, args.temperatures[0], args.seed, device)
     adaptive_warmup = None
     if "adaptive" in engines and args.adaptive_warmup_prompts > 0:
-        warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1)
+        warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1,
+                                    dataset=args.dataset, instruction=args.instruction)
         overlap = len(set(warm_prompts) & set(prompts))
         w_ids, w_mask = encode(tok, [p for p in warm_prompts for _ in range(args.group_size)])
-        _, w_stats, w_seconds, _ = run_engine(model, tok, engines["adaptive"], w_ids.to(device), w_mask.to(device),
-                                              args.max_new_tokens, args.temperatures[0], args.seed + 10_000, device)
-        adaptive_warmup = {"prompts": args.adaptive_warmup_prompts, "sequences": w_ids.shape[0],
-                           "prompt_seed": args.prompt_seed + 1, "overlap_with_rollout_prompts": overlap,
-                           "seconds": w_seconds, "temperature": args.temperatures[0],
-                           "acceptance_length": getattr(w_stats, "acceptance_length", None)}
-        print(f"adaptive engine warmed up (untimed): one rollout of {w_ids.shape[0]} sequences on other prompts "
-              f"({overlap} shared with the timed ones) in {w_seconds:.1f}s", flush=True)
+        adaptive_warmup = []
+        for temperature in args.temperatures:  # the selector keeps one acceptance estimate per sampling regime
+            _, w_stats, w_seconds, _ = run_engine(model, tok, engines["adaptive"], w_ids.to(device),
+                                                  w_mask.to(device), args.max_new_tokens, temperature,
+                                                  args.seed + 10_000, device)
+            adaptive_warmup.append({"prompts": args.adaptive_warmup_prompts, "sequences": w_ids.shape[0],
+                                    "prompt_seed": args.prompt_seed + 1, "overlap_with_rollout_prompts": overlap,
+                                    "seconds": w_seconds, "temperature": temperature,
+                                    "acceptance_length": getattr(w_stats, "acceptance_length", None)})
+            print(f"adaptive engine warmed up (untimed) at T={temperature}: one rollout of {w_ids.shape[0]} "
+                  f"sequences on other prompts ({overlap} shared with the timed ones) in {w_seconds:.1f}s "
+                  f"(includes the one-off cost profile: {engines['adaptive'].cost_profile.seconds_spent:.1f}s)",
+                  flush=True)
     else:
         print("adaptive engine NOT warmed up (absent or --adaptive-warmup-prompts 0)", flush=True)
 
@@ -373,10 +385,18 @@ def main():
     path = write_results(args.name or ("bench_rollout_quick" if args.quick else "bench_rollout"), {
         "settings": {**vars(args), "batch": batch, "tail_rows": tail_rows, "device": str(device)},
         "drafter_warmup": warm_info, "adaptive_warmup": adaptive_warmup, "engine_has_trace": bool(has_trace),
-        "summary": summary, "raw": raw,
+        "summary": summary, "raw": raw, "adaptive_state": adaptive_state(engines.get("adaptive"), args.temperatures),
         "tables": {"totals": table_total, "buckets": table_bucket, "lengths": table_len, "checks": table_check},
     })
     print(f"\nwrote {path}")
+
+
+def adaptive_state(engine, temperatures) -> dict | None:
+    """The adaptive engine's cost profile and what each selector believes at the end (for the JSON)."""
+    if engine is None:
+        return None
+    selectors = {str(t): engine.selector(t > 0, t if t > 0 else 1.0).summary() for t in temperatures}
+    return {"cost_profile": engine.cost_profile.to_dict(), "selectors": json.loads(json.dumps(selectors))}
 
 
 def ratio(a, b):

@@ -18,14 +18,15 @@ from tlt_trainers.pretrained import cache_root
 RESULTS = Path(__file__).parent / "results"
 
 
-def math_prompts(tokenizer, count: int, seed: int = 0, dataset: str = "gsm_symbolic") -> list[str]:
+def math_prompts(tokenizer, count: int, seed: int = 0, dataset: str = "gsm_symbolic",
+                 instruction: str = " Think step by step.") -> list[str]:
     """Chat-formatted reasoning-gym questions (offline, generated locally)."""
     import reasoning_gym
 
     data = reasoning_gym.create_dataset(dataset, size=count, seed=seed)
     texts = []
     for item in data:
-        messages = [{"role": "user", "content": item["question"] + " Think step by step."}]
+        messages = [{"role": "user", "content": item["question"] + instruction}]
         texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return texts
 

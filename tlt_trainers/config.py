@@ -51,7 +51,7 @@ class TLTConfig:
         default=256, metadata={"help": "Steps of acceptance history the adaptive selector remembers."}
     )
     exploration: float = field(
-        default=0.3, metadata={"help": "UCB exploration weight of the adaptive selector (0: always exploit)."}
+        default=0.1, metadata={"help": "UCB exploration weight of the adaptive selector (0: always exploit)."}
     )
     show_progress: bool = field(default=False, metadata={"help": "Show a progress bar over decode steps."})
 

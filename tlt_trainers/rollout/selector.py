@@ -24,13 +24,15 @@ from .costs import CostProfile, selector_bucket
 
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
-                 exploration: float = 0.3, prior_steps: float = 2.0, cost_smoothing: float = 0.2):
+                 exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
+                 explore_below: float = 1.5):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
         self.exploration = exploration
         self.prior_steps = prior_steps
         self.cost_smoothing = cost_smoothing
+        self.explore_below = explore_below
         self.steps = 0
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
         self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
@@ -38,8 +40,8 @@ class StrategySelector:
 
     # --------------------------------------------------------------- estimates
     def _prior(self, strategy: Strategy, batch: int) -> float:
-        """Optimistic tokens per step before any measurement; TLT's choice for the bucket ranks first."""
-        value = 1.0 + 0.3 * strategy.depth
+        """Tokens per step assumed before any measurement; TLT's choice for the bucket ranks first."""
+        value = 1.0 + 0.25 * strategy.depth
         if strategy == tlt_prior(batch):
             value += 0.5
         return min(value, strategy.max_emitted)
@@ -56,7 +58,7 @@ class StrategySelector:
         n = len(history) + self.prior_steps
         mean = (sum(a for _, a in history) + self.prior_steps * self._prior(strategy, batch)) / n
         if optimism:
-            mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * strategy.depth
+            mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
         return min(mean, strategy.max_emitted)
 
     def step_seconds(self, strategy: Strategy, batch: int) -> float:
@@ -67,10 +69,14 @@ class StrategySelector:
         return self.step_seconds(strategy, batch) / self.step_seconds(NONE, batch)
 
     def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
+        """Expected speedup over plain decoding. Exploration is optimistic only where a wrong guess is cheap
+        (relative cost up to ``explore_below``): acceptance learnt in the tail serves every bucket."""
         if strategy.kind == "none":
             return 1.0
         cost = self.relative_cost(strategy, batch)
-        return self.acceptance(strategy, batch, optimism) / cost if math.isfinite(cost) else 0.0
+        if not math.isfinite(cost):
+            return 0.0
+        return self.acceptance(strategy, batch, optimism and cost <= self.explore_below) / cost
 
     # --------------------------------------------------------------- decisions
     def choose(self, batch: int) -> Strategy:
