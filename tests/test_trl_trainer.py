@@ -256,3 +256,14 @@ def test_generation_settings_follow_transformers_merge():
     assert settings["top_k"] == 0  # ... but not what TRL sets explicitly
     with pytest.raises(ValueError, match="stop_strings"):
         generation_settings(effective_generation_config(GenerationConfig(stop_strings=["\n"]), model))
+
+
+def test_history_drafting_is_on_by_default(tmp_path):
+    """GRPO groups share a prompt, so siblings propose drafts for each other unless switched off."""
+    from tlt_trainers.trl.config import resolve_tlt_settings
+
+    for args in (TLTGRPOConfig(**grpo_kwargs(tmp_path)), GRPOConfig(**grpo_kwargs(tmp_path))):
+        config = resolve_tlt_settings(args).tlt_config()
+        assert config.history and any(s.history for s in config.speculation_strategies())
+    off = resolve_tlt_settings(TLTGRPOConfig(**grpo_kwargs(tmp_path), history_drafting=False)).tlt_config()
+    assert not any(s.history for s in off.speculation_strategies())

@@ -9,6 +9,8 @@ from .spec.strategy import Strategy, parse_strategy
 SPECULATION_MODES = ("adaptive", "always", "never")
 # Chains for sampling (a drafter's q is used, not only its top choices), trees for confident drafters.
 DEFAULT_STRATEGIES = ("chain:2", "chain:4", "tree:4x2:8", "tree:6x4:16", "tree:8x4:32", "tree:8x4:48")
+# Proposals from rollout history: alone (no drafter compute) and as one more branch of a drafter tree.
+DEFAULT_HISTORY_STRATEGIES = ("history:8", "tree:6x4:16+history:8")
 
 
 @dataclass
@@ -47,6 +49,17 @@ class TLTConfig:
                   f"decoding (default: {', '.join(DEFAULT_STRATEGIES)}; only the fixed chain when "
                   "num_speculative_tokens is set)."},
     )
+    history: bool = field(
+        default=True,
+        metadata={"help": "Propose draft tokens from rollout history (finished siblings of the same prompt, earlier "
+                  "steps' rollouts, the row's own context) as extra strategies; exact like every proposal."},
+    )
+    history_max_tokens: int = field(
+        default=500_000, metadata={"help": "Tokens of rollout history kept (oldest evicted first)."}
+    )
+    history_keep_steps: int = field(
+        default=4, metadata={"help": "generate() calls (RL steps) whose rollouts stay in the history."}
+    )
     selector_window: int = field(
         default=256, metadata={"help": "Steps of acceptance history the adaptive selector remembers."}
     )
@@ -70,6 +83,8 @@ class TLTConfig:
             raise ValueError("TLTConfig.default_num_speculative_tokens must be >= 1.")
         if self.max_speculative_batch_size is not None and self.max_speculative_batch_size < 1:
             raise ValueError("TLTConfig.max_speculative_batch_size must be >= 1 (or None: decided from costs).")
+        if self.history_max_tokens < 0 or self.history_keep_steps < 1:
+            raise ValueError("TLTConfig.history_max_tokens must be >= 0 and history_keep_steps >= 1.")
         if self.selector_window < 1 or self.exploration < 0:
             raise ValueError("TLTConfig.selector_window must be >= 1 and exploration >= 0.")
         self.speculation_strategies()  # parse errors surface at construction
@@ -79,20 +94,34 @@ class TLTConfig:
         """The number of draft tokens proposed per row and step by the default chain."""
         return self.num_speculative_tokens or self.default_num_speculative_tokens
 
-    def speculation_strategies(self) -> list[Strategy]:
+    def speculation_strategies(self, has_drafter: bool = True) -> list[Strategy]:
         """The strategies this config may use: the fixed one ('always') or the selector's arms ('adaptive')."""
         if self.speculation == "never":
             return []
         if self.speculation == "always":
-            return [parse_strategy(self.strategy or f"chain:{self.chain_length}")]
-        if self.strategies is not None:
-            names = list(self.strategies)
-        elif self.num_speculative_tokens is not None:
-            names = [f"chain:{self.num_speculative_tokens}"]
+            default = f"chain:{self.chain_length}" if has_drafter else f"history:{self.chain_length}"
+            arms = [parse_strategy(self.strategy or default)]
         else:
-            names = list(DEFAULT_STRATEGIES)
-        arms = [parse_strategy(name) for name in names]
-        arms = [a for a in arms if a.kind != "none"]
-        if not arms:
-            raise ValueError("TLTConfig.strategies has no speculative strategy; use speculation='never' instead.")
+            if self.strategies is not None:
+                names = list(self.strategies)
+            elif self.num_speculative_tokens is not None:
+                names = [f"chain:{self.num_speculative_tokens}"]
+            else:
+                names = list(DEFAULT_STRATEGIES) + (list(DEFAULT_HISTORY_STRATEGIES) if self.history else [])
+            arms = [parse_strategy(name) for name in names]
+            arms = [a for a in arms if a.kind != "none"]
+            if not has_drafter:
+                arms = [a for a in arms if not a.uses_drafter]
+            if not self.history:
+                arms = [a for a in arms if not a.history]
+            if not arms:
+                raise ValueError(
+                    "TLTConfig leaves the adaptive engine no speculative strategy (strategies that need a drafter "
+                    "without one, or history strategies with history=False); use speculation='never' instead."
+                )
+        for arm in arms:
+            if arm.uses_drafter and not has_drafter:
+                raise ValueError(f"Strategy {arm.name!r} needs a drafter: pass one, or use 'history:K'.")
+            if arm.history and not self.history:
+                raise ValueError(f"Strategy {arm.name!r} proposes from history but TLTConfig.history is False.")
         return arms

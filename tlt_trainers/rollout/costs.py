@@ -65,7 +65,7 @@ class CostProfile:
     def step_seconds(self, strategy: Strategy, batch: int) -> float:
         """Predicted seconds of one engine step with ``strategy`` at ``batch`` active rows."""
         verify = self._lookup(self.verify, batch, strategy.tokens_per_row)
-        if strategy.kind == "none":
+        if strategy.kind in ("none", "history"):
             return verify
         catch_up = self._lookup(self.draft, batch, 1)
         if strategy.kind == "chain":

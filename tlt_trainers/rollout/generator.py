@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import TLTConfig
+from ..spec.history import HistoryIndex
 from ..spec.rejection import ChainVerdict, verify_greedy, verify_sampled
 from ..spec.sampling import SamplingParams, check_generation_config, process_logits, sample_categorical
 from ..spec.strategy import NONE, Strategy
@@ -95,15 +96,20 @@ class SpeculativeGenerator:
         self.model = model
         self.target = TargetModel(model)
         self.target.check_split()
-        if drafter is None and self.config.speculation != "never":
+        if drafter is None and self.config.speculation != "never" and not self.config.history:
             raise ValueError(
-                f"speculation={self.config.speculation!r} needs a drafter: pass EagleDrafter.from_target(model) "
-                "(or a trained one), or use TLTConfig(speculation='never') for plain decoding."
+                f"speculation={self.config.speculation!r} needs a drafter or history proposals: pass "
+                "EagleDrafter.from_target(model) (or a trained one), keep TLTConfig(history=True), or use "
+                "TLTConfig(speculation='never') for plain decoding."
             )
         if drafter is not None:
             drafter.ensure_bound(model)
         self.drafter = drafter
-        self.strategies = self.config.speculation_strategies() if drafter is not None else []
+        self.strategies = self.config.speculation_strategies(has_drafter=drafter is not None)
+        self.history: HistoryIndex | None = None
+        if any(s.history for s in self.strategies):
+            self.history = HistoryIndex(max_tokens=self.config.history_max_tokens,
+                                        keep_steps=self.config.history_keep_steps)
         self.cost_profile = CostProfile()
         self._selectors: dict[tuple, StrategySelector] = {}
 
@@ -142,6 +148,7 @@ class SpeculativeGenerator:
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
         feature_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        history_keys: list | None = None,
         **unsupported,
     ) -> GenerationResult:
         """Sample completions exactly as ``model.generate`` with the same settings would.
@@ -149,6 +156,9 @@ class SpeculativeGenerator:
         ``feature_sink(tokens [L + 1], features [L, H])`` receives each finished row (prompt and completion)
         with the policy's hidden states from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
         drafter trains on fresh rollouts without another policy forward.
+
+        ``history_keys`` (one hashable per row) groups rows whose rollouts propose drafts for each other;
+        by default rows with the same prompt form a group (GRPO's siblings, and the same prompt in later steps).
         """
         if unsupported:
             raise TypeError(
@@ -176,15 +186,23 @@ class SpeculativeGenerator:
             attention_mask = _infer_attention_mask(input_ids, pad_token_id, eos_token_id)
         attention_mask = attention_mask.to(self.target.device)
         pad = _left_padding(attention_mask)
+        keys = None
+        if self.history is not None:
+            if history_keys is None:
+                history_keys = [tuple(row[p:]) for row, p in zip(input_ids.tolist(), pad.tolist())]
+            elif len(history_keys) != input_ids.shape[0]:
+                raise ValueError(f"history_keys has {len(history_keys)} entries for {input_ids.shape[0]} rows.")
+            keys = list(history_keys)
+            self.history.new_step()
         return _Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),
-                        pad_token_id, generator, feature_sink).run()
+                        pad_token_id, generator, feature_sink, keys).run()
 
 
 class _Rollout:
     """State and steps of one generate() call."""
 
     def __init__(self, engine: SpeculativeGenerator, input_ids, pad, params: SamplingParams, max_new_tokens: int,
-                 eos: torch.Tensor | None, pad_token_id: int, generator, feature_sink=None):
+                 eos: torch.Tensor | None, pad_token_id: int, generator, feature_sink=None, history_keys=None):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
         self.config = engine.config
         self.params, self.warpers = params, params.warpers()
@@ -201,7 +219,7 @@ class _Rollout:
         if self.selector is not None:
             engine.profile(batch, self.prompt_len + min(max_new_tokens, 128))
         # Slots past a row's length that one step may write: verified nodes, or the tree drafter's beams.
-        extra = max([max(s.num_nodes, (s.depth - 1) * s.width) for s in strategies], default=0)
+        extra = max([max(s.num_nodes + s.history, (s.depth - 1) * s.width) for s in strategies], default=0)
         self.capacity = self.prompt_len + max_new_tokens + extra + 1
         self.completions = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -214,7 +232,8 @@ class _Rollout:
         if params.uses_presence:
             presence = torch.zeros(batch, self.target.vocab_size, dtype=torch.bool, device=self.device)
             presence.scatter_(1, input_ids, True)
-        use_drafter = self.drafter is not None and bool(strategies)
+        use_drafter = self.drafter is not None and any(s.uses_drafter for s in strategies)
+        self.history, self.history_keys = engine.history, history_keys
         self.rows = _Rows(
             index=torch.arange(batch, device=self.device),
             seq=seq,
@@ -405,7 +424,7 @@ class _Rollout:
     def _step(self, strategy: Strategy) -> None:
         batch = self.rows.seq.shape[0]
         start = self._now()
-        if strategy.kind == "tree":
+        if strategy.kind in ("tree", "history"):
             emitted, drafted, accepted = self._tree_step(strategy, start)
         else:
             emitted, drafted, accepted = self._chain_step(strategy.depth, start)
@@ -417,7 +436,7 @@ class _Rollout:
     def _tree_step(self, strategy: Strategy, start: float) -> tuple[int, int, int]:
         rows = self.rows
         batch = rows.seq.shape[0]
-        tree = self._draft_tree(strategy)
+        tree = self._proposal_tree(strategy)
         drafted = self._now()
         self.stats.draft_seconds += drafted - start
         length = rows.state.length
@@ -453,6 +472,36 @@ class _Rollout:
         count = self._commit(emitted, verdict.num_accepted, length + 1, advance=verdict.num_accepted + 1)
         self.stats.verify_seconds += self._now() - drafted
         return count, batch * nodes, int(verdict.num_accepted.sum())
+
+    def _proposal_tree(self, strategy: Strategy) -> DraftTree:
+        """The drafter's tree, the history chain, or both (the chain as one more branch from the root)."""
+        if strategy.kind == "history":
+            return DraftTree.chain(self._history_chain(strategy.history))
+        tree = self._draft_tree(strategy)
+        if not strategy.history:
+            return tree
+        chain = DraftTree.chain(self._history_chain(strategy.history))
+        offset = tree.num_nodes
+        parents = torch.where(chain.parents > 0, chain.parents + offset, 0)
+        return DraftTree(torch.cat([tree.tokens, chain.tokens], 1), torch.cat([tree.parents, parents], 1),
+                         torch.cat([tree.depths, chain.depths], 1))
+
+    def _history_chain(self, k: int) -> torch.Tensor:
+        """[B, k] tokens continuing each row from rollout history; rows with shorter proposals repeat their last
+        token (any candidate is exact: the verifier only follows the policy's own draws)."""
+        rows = self.rows
+        ends = (rows.state.length + 1).tolist()  # committed tokens and the pending one
+        pads = rows.state.pad.tolist()
+        seqs = rows.seq.tolist()
+        keys = [self.history_keys[i] for i in rows.index.tolist()]
+        contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
+        proposals = self.history.propose_many(keys, contexts, k)
+        chains = []
+        for context, proposal in zip(contexts, proposals):
+            tokens = proposal.tokens or [context[-1]]
+            chains.append(tokens + [tokens[-1]] * (k - len(tokens)))
+            self.stats.history_proposed += len(proposal.tokens)
+        return torch.tensor(chains, dtype=torch.long, device=self.device)
 
     def _presence_in_tree(self, tree: DraftTree, closure: torch.Tensor) -> torch.Tensor:
         """Presence masks [B, 1+N, V] after each node: history plus the tokens on the path to the node."""
@@ -555,6 +604,9 @@ class _Rollout:
             start = self.prompt_len
             self.completions[rows.index[i], :n] = rows.seq[i, start : start + n]
             self.lengths[rows.index[i]] = n
+            if self.history is not None:
+                pad = int(rows.state.pad[i])
+                self.history.add(self.history_keys[int(rows.index[i])], rows.seq[i, pad : start + n].tolist())
             if self.feature_sink is not None:
                 pad = int(rows.state.pad[i])
                 # Features exist for every real token but the last (never fed back to the policy).
@@ -564,7 +616,7 @@ class _Rollout:
 
     # ------------------------------------------------------------------ main loop
     def _choose(self, batch: int) -> Strategy:
-        if not self.use_drafter:
+        if not self.engine.strategies:
             return NONE
         remaining = int((self.max_new - self.rows.generated).max())
         if remaining <= 1:
@@ -595,6 +647,8 @@ class _Rollout:
         if progress is not None:
             progress.close()
         self.stats.total_seconds = self._now() - begin
+        if self.history is not None:
+            self.stats.history_bytes = self.history.nbytes()
         width = int(self.lengths.max())
         sequences = torch.cat([self.input_ids, self.completions[:, :width]], dim=1)
         return GenerationResult(sequences=sequences, stats=self.stats)

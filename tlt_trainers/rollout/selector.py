@@ -41,7 +41,7 @@ class StrategySelector:
     # --------------------------------------------------------------- estimates
     def _prior(self, strategy: Strategy, batch: int) -> float:
         """Tokens per step assumed before any measurement; TLT's choice for the bucket ranks first."""
-        value = 1.0 + 0.25 * strategy.depth
+        value = 1.0 + 0.25 * max(strategy.depth, 0.6 * strategy.history)
         if strategy == tlt_prior(batch):
             value += 0.5
         return min(value, strategy.max_emitted)

@@ -56,6 +56,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     total_seconds: float = 0.0
     peak_cache_bytes: int = 0
+    history_proposed: int = 0  # tokens proposed from rollout history
+    history_bytes: int = 0  # memory held by the history index after the call
     buckets: dict[str, BucketStats] = field(default_factory=dict)
     strategies: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> strategy -> steps
     trace: list[StepRecord] = field(default_factory=list)

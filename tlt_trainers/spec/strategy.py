@@ -5,6 +5,10 @@
 ``tree:DxW:N``    EAGLE-2 style dynamic tree: D levels, the W best nodes expanded per level into
                   their W best children, the N best nodes overall (by drafted path probability)
                   verified in one pass with tree attention.
+``history:K``     up to K tokens continuing the row from rollout history (siblings, earlier steps,
+                  its own context): no neural compute at all.
+``tree:DxW:N+history:K``  both in one tree: the history chain is one more branch from the root, and
+                  the verifier follows whichever branch the policy's own draw agrees with.
 
 Names are what users write in ``TLTConfig`` and what the stats report.
 """
@@ -16,14 +20,16 @@ from dataclasses import dataclass
 
 _TREE = re.compile(r"^tree:(\d+)x(\d+):(\d+)$")
 _CHAIN = re.compile(r"^chain:(\d+)$")
+_HISTORY = re.compile(r"^history:(\d+)$")
 
 
 @dataclass(frozen=True)
 class Strategy:
-    kind: str  # "none" | "chain" | "tree"
-    depth: int = 0  # draft levels (chain length for chains)
+    kind: str  # "none" | "chain" | "tree" | "history"
+    depth: int = 0  # model-drafter levels (chain length for chains)
     width: int = 1  # nodes expanded per level and children per node (trees)
-    num_nodes: int = 0  # candidates verified per row (excluding the root)
+    num_nodes: int = 0  # model-drafted candidates verified per row (excluding the root)
+    history: int = 0  # tokens proposed from rollout history (one more branch of the tree)
 
     @property
     def name(self) -> str:
@@ -31,16 +37,23 @@ class Strategy:
             return "none"
         if self.kind == "chain":
             return f"chain:{self.depth}"
-        return f"tree:{self.depth}x{self.width}:{self.num_nodes}"
+        if self.kind == "history":
+            return f"history:{self.history}"
+        tree = f"tree:{self.depth}x{self.width}:{self.num_nodes}"
+        return tree + (f"+history:{self.history}" if self.history else "")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.kind in ("chain", "tree")
 
     @property
     def tokens_per_row(self) -> int:
         """Tokens per row in the verify pass (the root included)."""
-        return self.num_nodes + 1
+        return self.num_nodes + self.history + 1
 
     @property
     def max_emitted(self) -> int:
-        return self.depth + 1
+        return max(self.depth, self.history) + 1
 
     def __str__(self) -> str:
         return self.name
@@ -51,9 +64,23 @@ NONE = Strategy("none")
 
 def parse_strategy(name: str) -> Strategy:
     """``"none"``, ``"chain:K"`` or ``"tree:DxW:N"`` -> Strategy, with an error that shows the syntax."""
-    text = str(name).strip().lower()
+    text = str(name).strip().lower().replace(" ", "")
     if text == "none":
         return NONE
+    if "+" in text:
+        tree_part, _, history_part = text.partition("+")
+        tree, history = parse_strategy(tree_part), _HISTORY.match(history_part)
+        if tree.kind != "tree" or history is None or int(history.group(1)) < 1:
+            raise ValueError(
+                f"Strategy {name!r}: only a tree combines with history, as 'tree:DxW:N+history:K' (a sampled "
+                "chain's q cannot share a verification with point-mass proposals)."
+            )
+        return Strategy("tree", tree.depth, tree.width, tree.num_nodes, history=int(history.group(1)))
+    if match := _HISTORY.match(text):
+        k = int(match.group(1))
+        if k < 1:
+            raise ValueError(f"Strategy {name!r}: history needs at least 1 proposed token.")
+        return Strategy("history", history=k)
     if match := _CHAIN.match(text):
         k = int(match.group(1))
         if k < 1:
@@ -71,8 +98,9 @@ def parse_strategy(name: str) -> Strategy:
             )
         return Strategy("tree", depth=depth, width=width, num_nodes=nodes)
     raise ValueError(
-        f"Unknown speculation strategy {name!r}; use 'none', 'chain:K' (e.g. 'chain:4') or 'tree:DxW:N' "
-        "(e.g. 'tree:8x4:48': depth 8, top-4 expansion, 48 verified tokens)."
+        f"Unknown speculation strategy {name!r}; use 'none', 'chain:K' (e.g. 'chain:4'), 'tree:DxW:N' "
+        "(e.g. 'tree:8x4:48': depth 8, top-4 expansion, 48 verified tokens), 'history:K' or "
+        "'tree:DxW:N+history:K'."
     )
 
 

@@ -37,8 +37,12 @@ class TLTGRPOConfig(GRPOConfig):
             `"never"` decodes one token per step with the same engine (no drafter is kept).
         num_speculative_tokens (`int`, *optional*):
             Fixed number of draft tokens per step; `None` lets the engine choose.
-        max_speculative_batch_size (`int`, *optional*, defaults to `8`):
-            With `speculation="adaptive"`, speculate only while at most this many rows are active.
+        max_speculative_batch_size (`int`, *optional*):
+            With `speculation="adaptive"`, never speculate while more rows are active. `None` (default): the
+            engine decides per step from costs measured on the device and the acceptance it observes.
+        history_drafting (`bool`, *optional*, defaults to `True`):
+            Also propose drafts from rollout history: finished completions of the same prompt (the GRPO group,
+            and the same prompt in earlier steps) and the completion's own context. Exact like every draft.
 
     > Online drafter training
 
@@ -91,9 +95,15 @@ class TLTGRPOConfig(GRPOConfig):
     num_speculative_tokens: int | None = field(
         default=None, metadata={"help": "Fixed number of draft tokens per step; None lets the engine choose."}
     )
-    max_speculative_batch_size: int = field(
-        default=8,
-        metadata={"help": "With speculation='adaptive', speculate only while at most this many rows are active."},
+    max_speculative_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "With speculation='adaptive', never speculate while more rows are active (None: decided "
+                  "from costs measured on the device)."},
+    )
+    history_drafting: bool = field(
+        default=True,
+        metadata={"help": "Also propose drafts from rollout history: finished completions of the same prompt "
+                  "(the GRPO group, and earlier steps) and the completion's own context. Exact like every draft."},
     )
     drafter_lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate of the drafter."})
     drafter_unroll_steps: int = field(
@@ -133,7 +143,8 @@ class TLTSettings(SimpleNamespace):
 
     def tlt_config(self) -> TLTConfig:
         return TLTConfig(speculation=self.speculation, num_speculative_tokens=self.num_speculative_tokens,
-                         max_speculative_batch_size=self.max_speculative_batch_size)
+                         max_speculative_batch_size=self.max_speculative_batch_size,
+                         history=self.history_drafting)
 
 
 def _default(name: str):
@@ -156,8 +167,9 @@ def resolve_tlt_settings(args) -> TLTSettings:
                  "drafter_warmup_seconds"):
         if values[name] < 0:
             raise ValueError(f"{name}={values[name]} must be >= 0 (0 switches that training off).")
-    for name in ("drafter_unroll_steps", "drafter_micro_batch_size", "max_speculative_batch_size",
-                 "drafter_buffer_bytes"):
+    if values["max_speculative_batch_size"] is not None and values["max_speculative_batch_size"] < 1:
+        raise ValueError("max_speculative_batch_size must be >= 1, or None to decide from measured costs.")
+    for name in ("drafter_unroll_steps", "drafter_micro_batch_size", "drafter_buffer_bytes"):
         if values[name] < 1:
             raise ValueError(f"{name}={values[name]} must be >= 1.")
     if values["drafter_max_steps_per_update"] is not None and values["drafter_max_steps_per_update"] < 0:

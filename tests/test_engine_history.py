@@ -1,0 +1,105 @@
+"""History drafting in the engine: proposals from siblings, earlier steps and the row's own context are
+point masses, verified exactly like the drafter's trees (greedy identity, two-sample tests), alone
+or as one more branch of a drafter tree."""
+
+import pytest
+import torch
+from test_engine_greedy import staggered_eos, train_drafter
+from test_engine_sampling import NEW_TOKENS, PROMPT, SAMPLES, _pad, hf_samples, two_sample_pvalue
+from test_engine_trees import scripted_engine
+from tiny_models import EOS, PAD, padded_prompts, tiny_model
+
+from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = tiny_model("llama", logit_scale=4.0)
+    return model, train_drafter(model, steps=60)
+
+
+def greedy_both(engine, model, ids, mask, eos=EOS, **kwargs):
+    ours = engine.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=eos, pad_token_id=PAD, **kwargs)
+    reference = model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
+                               **kwargs)
+    return ours, reference
+
+
+def test_history_alone_needs_no_drafter_and_learns_across_steps(trained):
+    model, _ = trained
+    ids, mask = padded_prompts([3, 9, 5, 1, 7, 2], seed=10)
+    ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)  # two samples per prompt: siblings
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="history:6"))
+    first, reference = greedy_both(engine, model, ids, mask, max_new_tokens=30)
+    assert torch.equal(first.sequences, reference)
+    second, _ = greedy_both(engine, model, ids, mask, max_new_tokens=30)  # the next RL step: same prompts
+    assert torch.equal(second.sequences, reference)
+    assert second.stats.acceptance_length > first.stats.acceptance_length > 1.0
+    assert second.stats.history_proposed > 0 and 0 < second.stats.history_bytes == engine.history.nbytes()
+
+
+def test_history_with_drafter_tree_and_switching(trained):
+    model, drafter = trained
+    ids, mask = padded_prompts([3, 9, 5, 1, 7, 2], seed=16)
+    eos = staggered_eos(model, ids, mask, 24)
+    names = ["tree:3x2:5+history:4", "history:5", "none", "chain:2", "tree:2x2:3"]
+    engine, script = scripted_engine(model, drafter, names)
+    for _ in range(2):
+        ours, reference = greedy_both(engine, model, ids, mask, eos=eos, max_new_tokens=24, repetition_penalty=1.2)
+        assert torch.equal(ours.sequences, reference)
+    assert set(script.used) == set(names)
+
+
+def test_history_keys_group_rows(trained):
+    model, _ = trained
+    ids, mask = padded_prompts([4, 4, 4, 4], seed=3)
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="history:4"))
+    ours = engine.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=EOS,
+                           pad_token_id=PAD, history_keys=["a", "a", "b", "b"])
+    assert set(engine.history._groups) == {"a", "b"}
+    assert ours.sequences.shape[0] == 4
+    with pytest.raises(ValueError, match="history_keys has 3 entries for 4 rows"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD,
+                        history_keys=["a", "b", "c"])
+
+
+def test_history_can_be_switched_off(trained):
+    model, drafter = trained
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(history=False))
+    assert engine.history is None and not any(s.history for s in engine.strategies)
+    assert {s.name for s in SpeculativeGenerator(model, None, TLTConfig()).strategies} == {"history:8"}
+    with pytest.raises(ValueError, match="needs a drafter or history"):
+        SpeculativeGenerator(model, None, TLTConfig(history=False))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="tree:2x2:3+history:2"))
+    with pytest.raises(ValueError, match="only a tree combines with history"):
+        TLTConfig(speculation="always", strategy="chain:3+history:2")
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    return tiny_model("llama", vocab_size=8, logit_scale=12.0, seed=3)
+
+
+def engine_samples(engine, seed, **sampling):
+    ids = PROMPT.expand(SAMPLES, -1)
+    res = engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=True, eos_token_id=EOS, pad_token_id=PAD,
+                          generator=torch.Generator().manual_seed(seed), **{"top_k": 0, **sampling})
+    return _pad(res.sequences[:, PROMPT.shape[1]:]), res.stats
+
+
+@pytest.mark.parametrize("strategy,sampling", [
+    ("history:4", dict(temperature=1.0)),
+    ("history:3", dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3)),
+    ("tree:2x2:3+history:3", dict(temperature=1.0)),
+])
+def test_history_sampling_matches_generate(sampling_model, strategy, sampling):
+    torch.manual_seed(11)
+    drafter = EagleDrafter.from_target(sampling_model) if strategy.startswith("tree") else None
+    engine = SpeculativeGenerator(sampling_model, drafter, TLTConfig(speculation="always", strategy=strategy))
+    engine_samples(engine, seed=40, **sampling)  # a first step fills the history (all rows share the prompt)
+    reference = hf_samples(sampling_model, seed=41, **sampling)
+    ours, stats = engine_samples(engine, seed=42, **sampling)
+    assert stats.history_proposed > 0
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    assert two_sample_pvalue(reference, ours) > 1e-3
