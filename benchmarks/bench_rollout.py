@@ -65,7 +65,9 @@ from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: 
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.rollout.stats import BUCKETS, bucket_name  # noqa: E402
 
-ENGINES = ("generate", "no_spec", "always", "adaptive")
+ENGINES = ("generate", "no_spec", "always", "adaptive", "model_only", "history_only")
+# Adaptive engines by proposer: the model drafter and rollout history (default), each alone (issue 8's comparison).
+ADAPTIVE = {"adaptive": dict(), "model_only": dict(history=False), "history_only": dict()}
 BUCKET_ORDER = [bucket_name(low) for low, _ in BUCKETS]
 
 
@@ -86,7 +88,9 @@ def parse_args():
                    help="reasoning-gym task of the rollout prompts; with the default instruction SmolLM2's answers at "
                         "T=1 are long-tailed (median ~40 tokens, some past 160)")
     p.add_argument("--instruction", default=" Give only the final answer.", help="appended to every question")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma separated subset of {','.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES[:4]),
+                   help=f"comma separated subset of {','.join(ENGINES)}; model_only / history_only are adaptive with "
+                        "only the model drafter / only history proposals (no drafter)")
     p.add_argument("--k", type=int, default=4, help="draft chain length of the 'always' engine")
     p.add_argument("--tail-fraction", type=float, default=0.25,
                    help="the tail starts when the active rows first drop to <= this fraction of the batch")
@@ -267,7 +271,7 @@ def main():
     device = torch.device(args.device)
     model, tok = load_smollm2()
     model.to(device)
-    spec_engines = [e for e in args.engines if e in ("always", "adaptive")]
+    spec_engines = [e for e in args.engines if e in ("always", "adaptive", "model_only")]
     drafter, warm_info = None, None
     if spec_engines:
         if args.drafter:
@@ -289,8 +293,9 @@ def main():
         elif name == "always":
             engines[name] = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always",
                                                                            num_speculative_tokens=args.k))
-        elif name == "adaptive":  # created once: it learns across generate calls
-            engines[name] = SpeculativeGenerator(model, drafter, TLTConfig(speculation="adaptive"))
+        elif name in ADAPTIVE:  # created once: it learns across generate calls
+            engines[name] = SpeculativeGenerator(model, None if name == "history_only" else drafter,
+                                                 TLTConfig(speculation="adaptive", **ADAPTIVE[name]))
 
     batch = args.num_prompts * args.group_size
     prompts = math_prompts(tok, args.num_prompts, seed=args.prompt_seed, dataset=args.dataset,
@@ -304,27 +309,29 @@ def main():
     small_ids, small_mask = ids[:1], mask[:1]
     for engine in engines.values():
         run_engine(model, tok, engine, small_ids, small_mask, 4, args.temperatures[0], args.seed, device)
-    adaptive_warmup = None
-    if "adaptive" in engines and args.adaptive_warmup_prompts > 0:
+    adaptive_warmup = []
+    learners = [name for name in engines if name in ADAPTIVE]
+    if learners and args.adaptive_warmup_prompts > 0:
         warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1,
                                     dataset=args.dataset, instruction=args.instruction)
         overlap = len(set(warm_prompts) & set(prompts))
         w_ids, w_mask = encode(tok, [p for p in warm_prompts for _ in range(args.group_size)])
-        adaptive_warmup = []
-        for temperature in args.temperatures:  # the selector keeps one acceptance estimate per sampling regime
-            _, w_stats, w_seconds, _ = run_engine(model, tok, engines["adaptive"], w_ids.to(device),
-                                                  w_mask.to(device), args.max_new_tokens, temperature,
-                                                  args.seed + 10_000, device)
-            adaptive_warmup.append({"prompts": args.adaptive_warmup_prompts, "sequences": w_ids.shape[0],
-                                    "prompt_seed": args.prompt_seed + 1, "overlap_with_rollout_prompts": overlap,
-                                    "seconds": w_seconds, "temperature": temperature,
-                                    "acceptance_length": getattr(w_stats, "acceptance_length", None)})
-            print(f"adaptive engine warmed up (untimed) at T={temperature}: one rollout of {w_ids.shape[0]} "
-                  f"sequences on other prompts ({overlap} shared with the timed ones) in {w_seconds:.1f}s "
-                  f"(includes the one-off cost profile: {engines['adaptive'].cost_profile.seconds_spent:.1f}s)",
-                  flush=True)
+        for name in learners:
+            for temperature in args.temperatures:  # the selector keeps one estimate per sampling regime
+                _, w_stats, w_seconds, _ = run_engine(model, tok, engines[name], w_ids.to(device),
+                                                      w_mask.to(device), args.max_new_tokens, temperature,
+                                                      args.seed + 10_000, device)
+                adaptive_warmup.append({"engine": name, "prompts": args.adaptive_warmup_prompts,
+                                        "sequences": w_ids.shape[0], "prompt_seed": args.prompt_seed + 1,
+                                        "overlap_with_rollout_prompts": overlap, "seconds": w_seconds,
+                                        "temperature": temperature,
+                                        "acceptance_length": getattr(w_stats, "acceptance_length", None)})
+                print(f"{name} engine warmed up (untimed) at T={temperature}: one rollout of {w_ids.shape[0]} "
+                      f"sequences on other prompts ({overlap} shared with the timed ones) in {w_seconds:.1f}s "
+                      f"(includes the one-off cost profile: {engines[name].cost_profile.seconds_spent:.1f}s)",
+                      flush=True)
     else:
-        print("adaptive engine NOT warmed up (absent or --adaptive-warmup-prompts 0)", flush=True)
+        print("adaptive engines NOT warmed up (absent or --adaptive-warmup-prompts 0)", flush=True)
 
     has_trace = False
     raw = []  # one record per (temperature, rep, engine)
@@ -348,6 +355,8 @@ def main():
                     record["peak_cache_bytes"] = getattr(stats, "peak_cache_bytes", None)
                     record["steps"] = bucket_summary(stats, batch, tail_rows)
                     record["stats"] = stats_dict(stats)
+                    record["history_proposed"] = getattr(stats, "history_proposed", 0)
+                    record["history_bytes"] = getattr(stats, "history_bytes", 0)
                 outputs[name] = seqs
                 raw.append(record)
                 print(f"T={temperature} rep {rep} {name}: {seconds:.2f}s, {sum(lengths)} tokens, "
@@ -376,6 +385,12 @@ def main():
     table_bucket = print_table(["T", "bucket", "no-spec s", "always s", "adaptive s", "no-spec tok/s",
                                 "always/no-spec", "adaptive/no-spec", "tok/fwd always", "tok/fwd adaptive",
                                 "adaptive strategies"], rows_bucket)
+    proposers, rows_prop = proposer_rows(raw)
+    if rows_prop:
+        print("\nProposers per rep (rep 0: the prompts' first visit, history = finished siblings and own context; "
+              "later reps revisit the same prompts, as later epochs do, so earlier rollouts are in the history too):")
+        print_table(["T", "rep", "engine", "accept len", "vs no-spec", "tail vs no-spec", "history tokens proposed",
+                     "history MB"], rows_prop)
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)
     print("\nCorrectness hints (sampling differs between engines at T>0; shapes and length distributions should "
@@ -385,7 +400,8 @@ def main():
     path = write_results(args.name or ("bench_rollout_quick" if args.quick else "bench_rollout"), {
         "settings": {**vars(args), "batch": batch, "tail_rows": tail_rows, "device": str(device)},
         "drafter_warmup": warm_info, "adaptive_warmup": adaptive_warmup, "engine_has_trace": bool(has_trace),
-        "summary": summary, "raw": raw, "adaptive_state": adaptive_state(engines.get("adaptive"), args.temperatures),
+        "summary": summary, "raw": raw, "proposers": proposers,
+        "adaptive_state": {name: adaptive_state(engines[name], args.temperatures) for name in learners},
         "tables": {"totals": table_total, "buckets": table_bucket, "lengths": table_len, "checks": table_check},
     })
     print(f"\nwrote {path}")
@@ -402,6 +418,26 @@ def adaptive_state(engine, temperatures) -> dict | None:
 def ratio(a, b):
     """a / b, or None when either is missing or zero (e.g. a baseline without tail steps)."""
     return a / b if a and b else None
+
+
+def proposer_rows(raw):
+    """Per (temperature, rep): each adaptive engine's acceptance and its time ratios to no-spec of the same rep."""
+    out, rows = [], []
+    base = {(r["temperature"], r["rep"]): r for r in raw if r["engine"] == "no_spec"}
+    for r in raw:
+        if r["engine"] not in ADAPTIVE or (r["temperature"], r["rep"]) not in base:
+            continue
+        b = base[(r["temperature"], r["rep"])]
+        item = {"temperature": r["temperature"], "rep": r["rep"], "engine": r["engine"],
+                "acceptance_length": r.get("acceptance_length"),
+                "speedup_vs_no_spec": ratio(b["seconds"], r["seconds"]),
+                "tail_speedup_vs_no_spec": ratio(b["steps"]["tail"]["seconds"], r["steps"]["tail"]["seconds"]),
+                "history_proposed": r.get("history_proposed", 0), "history_bytes": r.get("history_bytes", 0)}
+        out.append(item)
+        rows.append([item["temperature"], item["rep"], item["engine"], cell(item["acceptance_length"]),
+                     cell(item["speedup_vs_no_spec"]), cell(item["tail_speedup_vs_no_spec"]), item["history_proposed"],
+                     cell(item["history_bytes"] / 2**20)])
+    return out, rows
 
 
 def cell(x):

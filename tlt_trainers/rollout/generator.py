@@ -23,7 +23,7 @@ from ..spec.sampling import SamplingParams, check_generation_config, process_log
 from ..spec.strategy import NONE, Strategy
 from ..spec.tree import DraftTree, verify_tree
 from .costs import CostProfile, profile_costs
-from .kv_cache import RowState, WritePlan, additive_mask, attention_allowed
+from .kv_cache import RowState, WritePlan, additive_mask, attention_allowed, compact_in_place, compaction_plan
 from .selector import StrategySelector
 from .stats import GenerationStats
 from .target import TargetModel
@@ -41,22 +41,29 @@ class GenerationResult:
 
 
 class _Rows:
-    """Everything that has one entry per active row; ``select`` drops finished rows from all of it."""
+    """Everything that has one entry per active row; ``compact`` drops finished rows from all of it."""
 
     def __init__(self, **tensors):
         self.names = list(tensors)
         for name, value in tensors.items():
             setattr(self, name, value)
+        self.features_used = 0  # slots of ``features`` ever written (what compaction must move)
 
-    def select(self, keep: torch.Tensor) -> None:
+    def compact(self, finished: torch.Tensor) -> None:
+        order, holes, movers = compaction_plan(finished)
+        n = order.shape[0]
         for name in self.names:
             value = getattr(self, name)
             if value is None:
                 continue
-            if hasattr(value, "select") and not isinstance(value, torch.Tensor):
-                value.select(keep)
+            if hasattr(value, "compact"):
+                value.compact(holes, movers, n)
+            elif hasattr(value, "select") and not isinstance(value, torch.Tensor):
+                value.select(order)
+            elif name == "features":  # [B, capacity, H]: the one large per-row buffer besides the caches
+                setattr(self, name, compact_in_place(value, holes, movers, n, 1, self.features_used))
             else:
-                setattr(self, name, value.index_select(0, keep))
+                setattr(self, name, value.index_select(0, order))
 
 
 def _left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -272,6 +279,7 @@ class _Rollout:
         if rows.features is None:
             rows.features = hidden.new_zeros(hidden.shape[0], self.capacity, hidden.shape[-1])
         rows.features.scatter_(1, slots[..., None].expand(-1, -1, hidden.shape[-1]), hidden)
+        rows.features_used = max(rows.features_used, int(slots.max()) + 1)
 
     def _record_memory(self) -> None:
         rows = self.rows
@@ -437,6 +445,8 @@ class _Rollout:
         rows = self.rows
         batch = rows.seq.shape[0]
         tree = self._proposal_tree(strategy)
+        if tree is None:  # nothing to verify: a plain step
+            return self._chain_step(0, start)
         drafted = self._now()
         self.stats.draft_seconds += drafted - start
         length = rows.state.length
@@ -473,22 +483,26 @@ class _Rollout:
         self.stats.verify_seconds += self._now() - drafted
         return count, batch * nodes, int(verdict.num_accepted.sum())
 
-    def _proposal_tree(self, strategy: Strategy) -> DraftTree:
-        """The drafter's tree, the history chain, or both (the chain as one more branch from the root)."""
+    def _proposal_tree(self, strategy: Strategy) -> DraftTree | None:
+        """The drafter's tree, the history chain, or both (the chain as one more branch from the root);
+        None when history alone has nothing to propose for any row."""
         if strategy.kind == "history":
-            return DraftTree.chain(self._history_chain(strategy.history))
+            tokens = self._history_chain(strategy.history)
+            return None if tokens is None else DraftTree.chain(tokens)
         tree = self._draft_tree(strategy)
-        if not strategy.history:
+        tokens = self._history_chain(strategy.history) if strategy.history else None
+        if tokens is None:
             return tree
-        chain = DraftTree.chain(self._history_chain(strategy.history))
+        chain = DraftTree.chain(tokens)
         offset = tree.num_nodes
         parents = torch.where(chain.parents > 0, chain.parents + offset, 0)
         return DraftTree(torch.cat([tree.tokens, chain.tokens], 1), torch.cat([tree.parents, parents], 1),
                          torch.cat([tree.depths, chain.depths], 1))
 
-    def _history_chain(self, k: int) -> torch.Tensor:
-        """[B, k] tokens continuing each row from rollout history; rows with shorter proposals repeat their last
-        token (any candidate is exact: the verifier only follows the policy's own draws)."""
+    def _history_chain(self, k: int) -> torch.Tensor | None:
+        """[B, w] tokens continuing each row from rollout history, w <= k the longest proposal (None if no row has
+        one); shorter proposals repeat their last token (any candidate is exact: the verifier only follows the
+        policy's own draws)."""
         rows = self.rows
         ends = (rows.state.length + 1).tolist()  # committed tokens and the pending one
         pads = rows.state.pad.tolist()
@@ -496,10 +510,13 @@ class _Rollout:
         keys = [self.history_keys[i] for i in rows.index.tolist()]
         contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
         proposals = self.history.propose_many(keys, contexts, k)
+        width = max(len(p.tokens) for p in proposals)
+        if width == 0:
+            return None
         chains = []
         for context, proposal in zip(contexts, proposals):
             tokens = proposal.tokens or [context[-1]]
-            chains.append(tokens + [tokens[-1]] * (k - len(tokens)))
+            chains.append(tokens + [tokens[-1]] * (width - len(tokens)))
             self.stats.history_proposed += len(proposal.tokens)
         return torch.tensor(chains, dtype=torch.long, device=self.device)
 
@@ -610,9 +627,9 @@ class _Rollout:
             if self.feature_sink is not None:
                 pad = int(rows.state.pad[i])
                 # Features exist for every real token but the last (never fed back to the policy).
-                self.feature_sink(rows.seq[i, pad : start + n], rows.features[i, pad : start + n - 1])
-        keep = (~finished).nonzero().squeeze(1)
-        rows.select(keep)
+                # Copies: compaction later moves other rows into this row's buffers.
+                self.feature_sink(rows.seq[i, pad : start + n].clone(), rows.features[i, pad : start + n - 1].clone())
+        rows.compact(finished)
 
     # ------------------------------------------------------------------ main loop
     def _choose(self, batch: int) -> Strategy:

@@ -15,6 +15,32 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def compaction_plan(finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How to drop finished rows by moving as few as possible: the last live rows fill the holes.
+
+    Returns (order [n]: old row of each new row, holes: new rows that receive a row, movers: their old rows).
+    Copying only the movers makes compaction cost O(finished rows), not O(batch).
+    """
+    alive = ~finished
+    n = int(alive.sum())
+    index = torch.arange(finished.shape[0], device=finished.device)
+    holes = (finished & (index < n)).nonzero().squeeze(1)
+    movers = (alive & (index >= n)).nonzero().squeeze(1)
+    order = index[:n].clone()
+    order[holes] = movers
+    return order, holes, movers
+
+
+def compact_in_place(buffer: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor, n: int,
+                     slot_dim: int, used: int) -> torch.Tensor:
+    """Move rows ``movers`` into ``holes`` (only the first ``used`` slots along ``slot_dim``); a view of n rows."""
+    if holes.numel():
+        index = (holes,) + (slice(None),) * (slot_dim - 1) + (slice(0, used),)
+        source = (movers,) + (slice(None),) * (slot_dim - 1) + (slice(0, used),)
+        buffer[index] = buffer[source]
+    return buffer[:n]
+
+
 class RowState:
     """Per-row bookkeeping shared by the target's and the drafter's caches."""
 
@@ -34,6 +60,7 @@ class RowKV:
         self.capacity = capacity
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.used = 0  # slots ever written: what compaction has to move
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, kv_len: int):
         """Write [B, H, q, D] states at slots ``index`` [B, q]; return the first ``kv_len`` slots."""
@@ -44,6 +71,7 @@ class RowKV:
         if kv_len > self.capacity:
             raise RuntimeError(f"KV cache overflow: {kv_len} slots needed, {self.capacity} allocated.")
         b, h, q, d = keys.shape
+        self.used = max(self.used, kv_len)
         slot = index[:, None, :, None].expand(b, h, q, d)
         self.keys.scatter_(2, slot, keys)
         self.values.scatter_(2, slot, values.to(self.values.dtype))
@@ -53,6 +81,16 @@ class RowKV:
         if self.keys is not None:
             self.keys = self.keys.index_select(0, keep)
             self.values = self.values.index_select(0, keep)
+
+    def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
+        """Drop finished rows in place: rows ``movers`` move into ``holes``, the buffers become views of n rows.
+
+        Only the written slots of the moved rows are copied (O(finished rows)), and the storage stays put,
+        unlike ``select``, which copies every live row's whole capacity.
+        """
+        if self.keys is not None:
+            self.keys = compact_in_place(self.keys, holes, movers, n, 2, self.used)
+            self.values = compact_in_place(self.values, holes, movers, n, 2, self.used)
 
     def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Copy slots ``source`` [B, m] to ``dest`` [B, m] per row (all reads happen before the writes)."""
@@ -120,6 +158,10 @@ class RowCache(Cache):
     def select(self, keep: torch.Tensor) -> None:
         for layer in self.layers:
             layer.store.select(keep)
+
+    def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
+        for layer in self.layers:
+            layer.store.compact(holes, movers, n)
 
     def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Move the accepted path of a draft tree into consecutive slots, in every layer."""
