@@ -105,10 +105,15 @@ def test_sampling_params_validate_on_their_own():
 
 # ---------------------------------------------------------------------------------------- construction
 def test_speculation_without_a_drafter(model):
-    with pytest.raises(ValueError, match=r"speculation='always' needs a drafter: pass EagleDrafter.from_target"):
-        SpeculativeGenerator(model, None, TLTConfig(speculation="always"))
+    with pytest.raises(ValueError, match=r"speculation='always' needs a drafter or history proposals: pass "
+                                         r"EagleDrafter.from_target"):
+        SpeculativeGenerator(model, None, TLTConfig(speculation="always", history=False))
     with pytest.raises(ValueError, match=r"speculation='adaptive' needs a drafter.*speculation='never'"):
-        SpeculativeGenerator(model)
+        SpeculativeGenerator(model, None, TLTConfig(history=False))
+    with pytest.raises(ValueError, match=r"Strategy 'chain:3' needs a drafter: pass one, or use 'history:K'"):
+        SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="chain:3"))
+    # Without a drafter, history proposals are the only strategy (no neural drafting at all).
+    assert [s.name for s in SpeculativeGenerator(model).strategies] == ["history:8"]
 
 
 @pytest.mark.parametrize("kwargs, message", [

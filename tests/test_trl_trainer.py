@@ -57,7 +57,10 @@ def test_swapping_the_import_keeps_every_log_key(tmp_path, lora):
     assert all(log["tlt/drafter_steps"] >= 1 for log in step_logs)
     assert all(log["tlt/rollout_seconds"] > 0 for log in step_logs)
     assert all(log["tlt/drafter_idle_seconds"] == 0 for log in step_logs)  # one process: no idle time
-    assert sum(log["tlt/draft_tokens"] for log in step_logs) > 0  # batch 4 <= 8: the adaptive engine speculated
+    # The adaptive engine measured its costs and chose a strategy at every step (on this tiny model plain
+    # decoding often wins: a drafter layer costs about as much as one of the policy's two layers).
+    engine = trainer._tlt_engine
+    assert engine.cost_profile.verify and any(sel.chosen for sel in engine._selectors.values())
     assert ours.updates and {u["trigger"] for u in ours.updates} == {"post_rollout"}
     assert all(u["rank"] == 0 and u["steps"] >= 1 and "loss" in u and u["seconds"] > 0 for u in ours.updates)
     # The final drafter is saved under output_dir.
