@@ -386,11 +386,12 @@ def main():
                                 "always/no-spec", "adaptive/no-spec", "tok/fwd always", "tok/fwd adaptive",
                                 "adaptive strategies"], rows_bucket)
     proposers, rows_prop = proposer_rows(raw)
+    table_prop = None
     if rows_prop:
         print("\nProposers per rep (rep 0: the prompts' first visit, history = finished siblings and own context; "
               "later reps revisit the same prompts, as later epochs do, so earlier rollouts are in the history too):")
-        print_table(["T", "rep", "engine", "accept len", "vs no-spec", "tail vs no-spec", "history tokens proposed",
-                     "history MB"], rows_prop)
+        table_prop = print_table(["T", "rep", "engine", "accept len", "vs no-spec", "tail vs no-spec",
+                                  "history tokens proposed", "history MB"], rows_prop)
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)
     print("\nCorrectness hints (sampling differs between engines at T>0; shapes and length distributions should "
@@ -402,7 +403,8 @@ def main():
         "drafter_warmup": warm_info, "adaptive_warmup": adaptive_warmup, "engine_has_trace": bool(has_trace),
         "summary": summary, "raw": raw, "proposers": proposers,
         "adaptive_state": {name: adaptive_state(engines[name], args.temperatures) for name in learners},
-        "tables": {"totals": table_total, "buckets": table_bucket, "lengths": table_len, "checks": table_check},
+        "tables": {"totals": table_total, "buckets": table_bucket, "lengths": table_len, "checks": table_check,
+                   "proposers": table_prop},
     })
     print(f"\nwrote {path}")
 

@@ -26,10 +26,30 @@ def block(name: str) -> str | None:
     where = f"{machine.get('cpus')} CPU cores, torch {machine.get('torch')}"
     if machine.get("cuda"):
         where = machine["cuda"]
-    parts = [f"`{data['command']}` ({where}; `benchmarks/results/{name}.json`)", "", data["table"]]
+    parts = [f"`{data['command']}` ({where}; `benchmarks/results/{name}.json`)", ""]
+    if "table" in data:
+        parts.append(data["table"])
+    for title, key in (("Totals", "totals"), ("Per active-batch bucket", "buckets")):
+        if key in data.get("tables", {}):
+            parts += [f"{title}:", "", data["tables"][key], ""]
+    if data.get("proposers"):
+        parts += ["Proposers per rep (vs no-spec of the same rep):", "", proposer_table(data["proposers"])]
     if data.get("cost_table"):
         parts += ["", "Policy forward time with ~200 cached tokens, by new tokens per row:", "", data["cost_table"]]
     return "\n".join(parts)
+
+
+def proposer_table(items: list[dict]) -> str:
+    def fmt(x):
+        return "-" if x is None else f"{x:.3g}"
+
+    lines = ["| T | rep | engine | accept len | vs no-spec | tail vs no-spec | history tokens proposed |",
+             "|---|---|---|---|---|---|---|"]
+    for it in items:
+        lines.append(f"| {it['temperature']} | {it['rep']} | {it['engine']} | {fmt(it['acceptance_length'])} | "
+                     f"{fmt(it['speedup_vs_no_spec'])} | {fmt(it['tail_speedup_vs_no_spec'])} | "
+                     f"{it['history_proposed']} |")
+    return "\n".join(lines)
 
 
 def main() -> None:

