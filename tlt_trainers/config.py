@@ -60,6 +60,11 @@ class TLTConfig:
     history_keep_steps: int = field(
         default=4, metadata={"help": "generate() calls (RL steps) whose rollouts stay in the history."}
     )
+    cuda_graphs: str = field(
+        default="auto",
+        metadata={"help": "'auto': replay CUDA graphs of the decode/verify passes on CUDA devices (eager elsewhere); "
+                  "'off': never; 'static': the graphs' static-buffer path without capturing, on any device (tests)."},
+    )
     selector_window: int = field(
         default=256, metadata={"help": "Steps of acceptance history the adaptive selector remembers."}
     )
@@ -83,6 +88,8 @@ class TLTConfig:
             raise ValueError("TLTConfig.default_num_speculative_tokens must be >= 1.")
         if self.max_speculative_batch_size is not None and self.max_speculative_batch_size < 1:
             raise ValueError("TLTConfig.max_speculative_batch_size must be >= 1 (or None: decided from costs).")
+        if self.cuda_graphs not in ("auto", "off", "static"):
+            raise ValueError(f"TLTConfig.cuda_graphs={self.cuda_graphs!r} must be 'auto', 'off' or 'static'.")
         if self.history_max_tokens < 0 or self.history_keep_steps < 1:
             raise ValueError("TLTConfig.history_max_tokens must be >= 0 and history_keep_steps >= 1.")
         if self.selector_window < 1 or self.exploration < 0:

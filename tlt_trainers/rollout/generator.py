@@ -23,6 +23,7 @@ from ..spec.sampling import SamplingParams, check_generation_config, process_log
 from ..spec.strategy import NONE, Strategy
 from ..spec.tree import DraftTree, verify_tree
 from .costs import CostProfile, profile_costs
+from .graphs import GraphRunner
 from .kv_cache import RowState, WritePlan, additive_mask, attention_allowed, compact_in_place, compaction_plan
 from .selector import StrategySelector
 from .stats import GenerationStats
@@ -253,6 +254,11 @@ class _Rollout:
             draft_kv=self.drafter.new_kv(self.capacity) if use_drafter else None,
         )
         self.use_drafter = use_drafter
+        self.graphs = None
+        graph_mode = self.config.cuda_graphs
+        if graph_mode == "static" or (graph_mode == "auto" and self.device.type == "cuda"):
+            self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity,
+                                      mode="static" if graph_mode == "static" else "cuda")
         self.feature_sink = feature_sink
 
     # ------------------------------------------------------------------ helpers
@@ -271,6 +277,24 @@ class _Rollout:
         rows.cache.plan = WritePlan(slots, kv_len)
         positions = (slots - rows.state.pad[:, None]).clamp(min=0)
         return self.target.forward(tokens, positions, mask, rows.cache)
+
+    def _policy_pass(self, tokens, positions, slots, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and float32 logits of a decode/verify pass; ``mask_for(kv_len)`` builds its mask(s).
+
+        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner.
+        """
+        rows = self.rows
+        runner = self.graphs
+        if runner is not None and runner.supports(tokens.shape[0]):
+            mask = mask_for(self.capacity)
+            masks = {"full": mask} if isinstance(mask, torch.Tensor) else {
+                "full": mask["full_attention"], "sliding": mask["sliding_attention"]}
+            return runner(tokens, positions, slots, masks)
+        kv_len = int(slots.max()) + 1
+        mask = mask_for(kv_len)
+        rows.cache.plan = WritePlan(slots, kv_len)
+        hidden = self.target.forward(tokens, positions, mask, rows.cache)
+        return hidden, self.target.logits(hidden)
 
     def _store_features(self, hidden: torch.Tensor, slots: torch.Tensor) -> None:
         if not (self.use_drafter or self.feature_sink is not None):
@@ -456,12 +480,11 @@ class _Rollout:
         depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
         positions = (length - rows.state.pad)[:, None] + depths
         slots = length[:, None] + torch.arange(nodes + 1, device=self.device)
-        kv_len = int(slots.max()) + 1
-        mask = self.target.tree_attention_mask(rows.state, closure, positions, kv_len)
-        rows.cache.plan = WritePlan(slots, kv_len)
-        hidden = self.target.forward(tokens, positions, mask, rows.cache)
+        hidden, logits = self._policy_pass(
+            tokens, positions, slots, lambda kv_len: self.target.tree_attention_mask(rows.state, closure, positions,
+                                                                                     kv_len))
         presence = self._presence_in_tree(tree, closure) if rows.presence is not None else None
-        scores = self._scores(self.target.logits(hidden), presence)
+        scores = self._scores(logits, presence)
         if self.params.do_sample:
             verdict = verify_tree(tree, torch.softmax(scores, dim=-1), self.generator)
         else:
@@ -541,10 +564,12 @@ class _Rollout:
         pending = rows.seq.gather(1, length[:, None])
         tokens = torch.cat([pending, drafts], dim=1)
         slots = length[:, None] + torch.arange(k + 1, device=self.device)
-        hidden = self._target_pass(tokens, slots)
+        positions = (slots - rows.state.pad[:, None]).clamp(min=0)
+        hidden, logits = self._policy_pass(
+            tokens, positions, slots, lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
         self._store_features(hidden, slots)
         presence = self._presence_along(drafts) if rows.presence is not None else None
-        scores = self._scores(self.target.logits(hidden), presence)
+        scores = self._scores(logits, presence)
         if k == 0:
             if self.params.do_sample:
                 token = sample_categorical(torch.softmax(scores[:, 0], dim=-1), self.generator)

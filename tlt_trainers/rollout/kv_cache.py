@@ -61,26 +61,35 @@ class RowKV:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.used = 0  # slots ever written: what compaction has to move
+        self.storage: tuple[torch.Tensor, torch.Tensor] | None = None  # the full buffers (all rows ever allocated)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, kv_len: int):
-        """Write [B, H, q, D] states at slots ``index`` [B, q]; return the first ``kv_len`` slots."""
+        """Write [B, H, q, D] states at slots ``index`` [B, q]; return the first ``kv_len`` slots.
+
+        B may exceed the live rows (CUDA-graph padding): rows past them are finished rows of the same storage.
+        """
         if self.keys is None:
             b, h, _, d = keys.shape
             self.keys = keys.new_zeros(b, h, self.capacity, d)
             self.values = values.new_zeros(b, h, self.capacity, d)
+            self.storage = (self.keys, self.values)
         if kv_len > self.capacity:
             raise RuntimeError(f"KV cache overflow: {kv_len} slots needed, {self.capacity} allocated.")
         b, h, q, d = keys.shape
         self.used = max(self.used, kv_len)
+        key_buffer, value_buffer = self.keys, self.values
+        if b != key_buffer.shape[0]:
+            key_buffer, value_buffer = self.storage[0][:b], self.storage[1][:b]
         slot = index[:, None, :, None].expand(b, h, q, d)
-        self.keys.scatter_(2, slot, keys)
-        self.values.scatter_(2, slot, values.to(self.values.dtype))
-        return self.keys[:, :, :kv_len], self.values[:, :, :kv_len]
+        key_buffer.scatter_(2, slot, keys)
+        value_buffer.scatter_(2, slot, values.to(value_buffer.dtype))
+        return key_buffer[:, :, :kv_len], value_buffer[:, :, :kv_len]
 
     def select(self, keep: torch.Tensor) -> None:
         if self.keys is not None:
             self.keys = self.keys.index_select(0, keep)
             self.values = self.values.index_select(0, keep)
+            self.storage = (self.keys, self.values)
 
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
         """Drop finished rows in place: rows ``movers`` move into ``holes``, the buffers become views of n rows.
