@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_reproduction_script_runs_end_to_end(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("matplotlib")
     out = tmp_path / "repro"
-    subprocess.run([sys.executable, "examples/reproduce.py", "--steps", "2", "--prompts-per-step", "1",
+    script = Path(__file__).resolve().parents[1] / "examples" / "reproduce.py"
+    subprocess.run([sys.executable, str(script), "--steps", "2", "--prompts-per-step", "1",
                     "--num-generations", "4", "--max-completion-length", "16", "--skip-steps", "0",
                     "--output-dir", str(out)], check=True, timeout=900)
     result = json.loads((out / "reproduce.json").read_text())
