@@ -111,7 +111,7 @@ class _RolloutCounters:
     """GenerationStats summed over the single-turn generations of one ``_generate`` call."""
 
     FIELDS = ("emitted_tokens", "row_forwards", "draft_tokens", "accepted_tokens", "decode_steps",
-              "speculative_steps")
+              "speculative_steps", "history_proposed")
 
     def __init__(self):
         self.values = dict.fromkeys(self.FIELDS, 0)
@@ -123,6 +123,7 @@ class _RolloutCounters:
         self.values["accepted_tokens"] += stats.accepted_tokens
         self.values["decode_steps"] += stats.steps
         self.values["speculative_steps"] += stats.speculative_steps
+        self.values["history_proposed"] += stats.history_proposed
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -400,6 +401,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         metrics["tlt/draft_tokens"].append(float(counters["draft_tokens"]))
         metrics["tlt/accepted_tokens"].append(float(counters["accepted_tokens"]))
         metrics["tlt/speculative_step_fraction"].append(_ratio(counters["speculative_steps"], counters["decode_steps"]))
+        metrics["tlt/history_proposed_tokens"].append(float(counters["history_proposed"]))
 
     def _tlt_fire_drafter_update(self, trigger: str, metrics: dict) -> None:
         # CallbackHandler.call_event would raise on callbacks without this method: call those that have it.
