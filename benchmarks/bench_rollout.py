@@ -297,6 +297,11 @@ def main():
             engines[name] = SpeculativeGenerator(model, None if name == "history_only" else drafter,
                                                  TLTConfig(speculation="adaptive", **ADAPTIVE[name]))
 
+    if "adaptive" in engines:  # same model and device: the one-off cost profile is measured once, shared
+        for name in ("model_only", "history_only"):  # (their strategies are a subset of adaptive's)
+            if name in engines:
+                engines[name].cost_profile = engines["adaptive"].cost_profile
+
     batch = args.num_prompts * args.group_size
     prompts = math_prompts(tok, args.num_prompts, seed=args.prompt_seed, dataset=args.dataset,
                            instruction=args.instruction)
@@ -312,7 +317,7 @@ def main():
     adaptive_warmup = []
     learners = [name for name in engines if name in ADAPTIVE]
     if learners and args.adaptive_warmup_prompts > 0:
-        warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1,
+        warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1000,
                                     dataset=args.dataset, instruction=args.instruction)
         overlap = len(set(warm_prompts) & set(prompts))
         w_ids, w_mask = encode(tok, [p for p in warm_prompts for _ in range(args.group_size)])
@@ -322,7 +327,7 @@ def main():
                                                       w_mask.to(device), args.max_new_tokens, temperature,
                                                       args.seed + 10_000, device)
                 adaptive_warmup.append({"engine": name, "prompts": args.adaptive_warmup_prompts,
-                                        "sequences": w_ids.shape[0], "prompt_seed": args.prompt_seed + 1,
+                                        "sequences": w_ids.shape[0], "prompt_seed": args.prompt_seed + 1000,
                                         "overlap_with_rollout_prompts": overlap, "seconds": w_seconds,
                                         "temperature": temperature,
                                         "acceptance_length": getattr(w_stats, "acceptance_length", None)})
