@@ -316,6 +316,10 @@ def main():
         run_engine(model, tok, engine, small_ids, small_mask, 4, args.temperatures[0], args.seed, device)
     adaptive_warmup = []
     learners = [name for name in engines if name in ADAPTIVE]
+    for name in learners:  # the one-off cost profile, for every batch size of the timed rollouts (untimed)
+        engines[name].profile(batch, ids.shape[1] + min(args.max_new_tokens, 128))
+        print(f"{name}: cost profile up to batch {batch} in {engines[name].cost_profile.seconds_spent:.1f}s "
+              "(one-off, untimed)", flush=True)
     if learners and args.adaptive_warmup_prompts > 0:
         warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1000,
                                     dataset=args.dataset, instruction=args.instruction)
