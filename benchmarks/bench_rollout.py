@@ -102,6 +102,8 @@ def parse_args():
                    help="drafter warm-up budget if not cached, default 240 (bench_decode's cache)")
     p.add_argument("--warmup-prompts", type=int, default=96, help="prompts answered for the drafter warm-up")
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary of the warmed-up drafter")
+    p.add_argument("--generate-once", action="store_true",
+                   help="time model.generate at the first temperature only (it is the slowest engine by far)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--name", default=None, help="results file name (default bench_rollout or bench_rollout_quick)")
     args = p.parse_args()
@@ -348,6 +350,8 @@ def main():
         for rep in range(args.reps):
             seed = args.seed + rep
             names = list(engines)
+            if args.generate_once and temperature != args.temperatures[0]:
+                names = [n for n in names if n != "generate"]  # the slowest baseline, measured at one temperature
             names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order across reps
             outputs = {}
             for name in names:
