@@ -111,3 +111,15 @@ def test_adaptive_engine_profiles_once_and_stays_exact():
     summary = engine.selector(False).summary()
     assert summary["chosen"] and set(summary["acceptance"]) == {s.name for s in engine.strategies}
     assert sum(ours.stats.strategies["5-16"].values()) == ours.stats.buckets["5-16"].steps
+
+
+def test_a_gain_within_the_noise_is_not_taken():
+    """Predicted speedup 1.03: below the default margin of 5% plain decoding stays; without a margin it is taken."""
+    profile = CostProfile()
+    profile.verify.update({(1, 1): 0.010, (1, 5): 0.0145})
+    profile.draft.update({(1, 1): 0.0})
+    arm = parse_strategy("chain:4")
+    for margin, expected in ((1.05, NONE), (1.0, arm)):
+        selector = StrategySelector([arm], profile, exploration=0.0, min_speedup=margin)
+        feed(selector, arm, 1, tokens_per_row=1.5, steps=200)  # 1.5 / 1.45 = 1.03
+        assert selector.choose(1) == expected

@@ -60,6 +60,11 @@ class TLTConfig:
     history_keep_steps: int = field(
         default=4, metadata={"help": "generate() calls (RL steps) whose rollouts stay in the history."}
     )
+    min_speedup: float = field(
+        default=1.05,
+        metadata={"help": "The adaptive selector speculates only where it expects at least this speedup over plain "
+                  "decoding (smaller predicted gains are within the noise of its estimates)."},
+    )
     cuda_graphs: str = field(
         default="auto",
         metadata={"help": "'auto': replay CUDA graphs of the decode/verify passes on CUDA devices (eager elsewhere); "
@@ -92,6 +97,8 @@ class TLTConfig:
             raise ValueError(f"TLTConfig.cuda_graphs={self.cuda_graphs!r} must be 'auto', 'off' or 'static'.")
         if self.history_max_tokens < 0 or self.history_keep_steps < 1:
             raise ValueError("TLTConfig.history_max_tokens must be >= 0 and history_keep_steps >= 1.")
+        if self.min_speedup < 1.0:
+            raise ValueError(f"TLTConfig.min_speedup={self.min_speedup} must be >= 1 (1: no margin).")
         if self.selector_window < 1 or self.exploration < 0:
             raise ValueError("TLTConfig.selector_window must be >= 1 and exploration >= 0.")
         self.speculation_strategies()  # parse errors surface at construction

@@ -80,11 +80,12 @@ class CostProfile:
 
 @torch.no_grad()
 def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list[int], context: int,
-                  profile: CostProfile | None = None) -> CostProfile:
+                  profile: CostProfile | None = None, repeats: int = 2) -> CostProfile:
     """Measure what ``strategies`` need at ``batch_sizes`` (skipping sizes already in ``profile``).
 
     Token counts are measured in increasing order per batch size and stop once a forward costs more
-    than the most any remaining strategy could emit per row: such strategies cannot pay there.
+    than the most any remaining strategy could emit per row: such strategies cannot pay there. Each
+    entry is the fastest of ``repeats`` timings (single timings on a busy CPU were off by up to 2x).
     """
     profile = profile or CostProfile()
     todo = sorted(set(batch_sizes) - set(profile.batch_sizes()))
@@ -117,7 +118,7 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
 
             if base is None:
                 run()  # allocates the cache and warms kernels up
-            profile.verify[(batch, q)] = _timed(run, sync)
+            profile.verify[(batch, q)] = min(_timed(run, sync) for _ in range(repeats))
             base = base or profile.verify[(batch, 1)]
         if drafter is not None:
             kv = RowKV(context + max(widths) + 1)
@@ -134,6 +135,6 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
                     torch.log_softmax(drafter.logits(out), dim=-1).topk(max(widths), dim=-1)
 
                 run_draft()
-                profile.draft[(batch, width)] = _timed(run_draft, sync)
+                profile.draft[(batch, width)] = min(_timed(run_draft, sync) for _ in range(repeats))
     profile.seconds_spent += time.perf_counter() - begin
     return profile

@@ -128,7 +128,7 @@ class SpeculativeGenerator:
         key = (bool(do_sample), round(float(temperature), 3) if do_sample else 0.0)
         if key not in self._selectors:
             self._selectors[key] = StrategySelector(self.strategies, self.cost_profile, self.config.selector_window,
-                                                    self.config.exploration)
+                                                    self.config.exploration, min_speedup=self.config.min_speedup)
         return self._selectors[key]
 
     def profile(self, batch_size: int, context: int) -> CostProfile:

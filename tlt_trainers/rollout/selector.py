@@ -25,7 +25,7 @@ from .costs import CostProfile, selector_bucket
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
-                 explore_below: float = 1.5):
+                 explore_below: float = 1.5, min_speedup: float = 1.05):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
@@ -33,6 +33,7 @@ class StrategySelector:
         self.prior_steps = prior_steps
         self.cost_smoothing = cost_smoothing
         self.explore_below = explore_below
+        self.min_speedup = min_speedup
         self.steps = 0
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
         self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
@@ -80,7 +81,10 @@ class StrategySelector:
 
     # --------------------------------------------------------------- decisions
     def choose(self, batch: int) -> Strategy:
-        best, best_value = NONE, 1.0
+        """The strategy with the best (optimistic) expected speedup, if it beats plain decoding by ``min_speedup``:
+        a predicted gain of a few percent is within the noise of the estimates, and plain decoding is the safe bet.
+        """
+        best, best_value = NONE, self.min_speedup
         for strategy in self.strategies:
             value = self.speedup(strategy, batch, optimism=True)
             if value > best_value:
