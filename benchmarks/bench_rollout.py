@@ -65,6 +65,7 @@ from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: 
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.rollout.stats import BUCKETS, bucket_name  # noqa: E402
 
+TAIL_ROWS = [0.0]  # set in main(): the tail's row threshold
 ENGINES = ("generate", "no_spec", "always", "adaptive", "model_only", "history_only")
 # Adaptive engines by proposer: the model drafter and rollout history (default), each alone (issue 8's comparison).
 ADAPTIVE = {"adaptive": dict(), "model_only": dict(history=False), "history_only": dict()}
@@ -310,6 +311,7 @@ def main():
     ids, mask = encode(tok, [p for p in prompts for _ in range(args.group_size)])  # GRPO groups, adjacent
     ids, mask = ids.to(device), mask.to(device)
     tail_rows = args.tail_fraction * batch
+    TAIL_ROWS[0] = tail_rows
 
     # Untimed warm-ups: a tiny call per engine (first-call overheads), and a full-size rollout of the
     # adaptive engine on other prompts so it starts the timed reps with its online estimates, as in training.
@@ -367,6 +369,8 @@ def main():
                     record["acceptance_length"] = stats.acceptance_length
                     record["peak_cache_bytes"] = getattr(stats, "peak_cache_bytes", None)
                     record["steps"] = bucket_summary(stats, batch, tail_rows)
+                    record["trace"] = [[r.batch_size, r.strategy, r.emitted, r.seconds]
+                                       for r in getattr(stats, "trace", [])]
                     record["stats"] = stats_dict(stats)
                     record["history_proposed"] = getattr(stats, "history_proposed", 0)
                     record["history_bytes"] = getattr(stats, "history_bytes", 0)
@@ -403,7 +407,8 @@ def main():
     if rows_prop:
         print("\nProposers per rep (rep 0: the prompts' first visit, history = finished siblings and own context; "
               "later reps revisit the same prompts, as later epochs do, so earlier rollouts are in the history too):")
-        table_prop = print_table(["T", "rep", "engine", "accept len", "vs no-spec", "tail vs no-spec",
+        table_prop = print_table(["T", "rep", "engine", "equal-batch speedup", "equal-batch tail speedup",
+                                  "accept len", "vs no-spec", "tail vs no-spec",
                                   "history tokens proposed", "history MB"], rows_prop)
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)
@@ -435,21 +440,63 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
+def plain_step_seconds(trace) -> dict[int, float]:
+    """Mean step time of plain decoding by batch size, from a no-spec trace."""
+    sums: dict[int, list] = {}
+    for size, _, _, seconds in trace:
+        sums.setdefault(size, []).append(seconds)
+    return {size: statistics.mean(v) for size, v in sums.items()}
+
+
+def _interpolate(table: dict[int, float], size: int) -> float:
+    if size in table:
+        return table[size]
+    sizes = sorted(table)
+    lower = max((b for b in sizes if b < size), default=sizes[0])
+    upper = min((b for b in sizes if b > size), default=sizes[-1])
+    if lower == upper:
+        return table[lower] * size / lower if size > lower else table[lower]
+    w = (size - lower) / (upper - lower)
+    return (1 - w) * table[lower] + w * table[upper]
+
+
+def equal_batch_speedups(trace, plain: dict[int, float], tail_rows: float) -> dict:
+    """Speedup over plain decoding at equal batch sizes: tokens/s of the engine's steps divided by the tokens/s
+    plain decoding reaches at the same sequence of batch sizes (no-spec's measured step time per batch size).
+
+    Sampled completions differ between engines at T > 0, so wall times mix the engine's efficiency with how
+    long the sampled rows happened to be; this ratio keeps only the efficiency. Per bucket, and for the tail.
+    """
+    groups: dict[str, list] = {}
+    for size, _, emitted, seconds in trace:
+        for name in (bucket_name(size), "all") + (("tail",) if size <= tail_rows else ()):
+            g = groups.setdefault(name, [0, 0.0, 0, 0.0])
+            g[0] += emitted
+            g[1] += seconds
+            g[2] += size
+            g[3] += _interpolate(plain, size)
+    return {name: (e / s) / (rows / ps) if s and ps else None for name, (e, s, rows, ps) in groups.items()}
+
+
 def proposer_rows(raw):
     """Per (temperature, rep): each adaptive engine's acceptance and its time ratios to no-spec of the same rep."""
     out, rows = [], []
     base = {(r["temperature"], r["rep"]): r for r in raw if r["engine"] == "no_spec"}
     for r in raw:
-        if r["engine"] not in ADAPTIVE or (r["temperature"], r["rep"]) not in base:
+        if r["engine"] not in (*ADAPTIVE, "always") or (r["temperature"], r["rep"]) not in base:
             continue
         b = base[(r["temperature"], r["rep"])]
+        plain = plain_step_seconds(b.get("trace") or [])
+        equal = equal_batch_speedups(r.get("trace") or [], plain, TAIL_ROWS[0]) if plain else {}
         item = {"temperature": r["temperature"], "rep": r["rep"], "engine": r["engine"],
+                "equal_batch_speedup": equal,
                 "acceptance_length": r.get("acceptance_length"),
                 "speedup_vs_no_spec": ratio(b["seconds"], r["seconds"]),
                 "tail_speedup_vs_no_spec": ratio(b["steps"]["tail"]["seconds"], r["steps"]["tail"]["seconds"]),
                 "history_proposed": r.get("history_proposed", 0), "history_bytes": r.get("history_bytes", 0)}
         out.append(item)
-        rows.append([item["temperature"], item["rep"], item["engine"], cell(item["acceptance_length"]),
+        rows.append([item["temperature"], item["rep"], item["engine"], cell(equal.get("all")), cell(equal.get("tail")),
+                     cell(item["acceptance_length"]),
                      cell(item["speedup_vs_no_spec"]), cell(item["tail_speedup_vs_no_spec"]), item["history_proposed"],
                      cell(item["history_bytes"] / 2**20)])
     return out, rows
