@@ -1,6 +1,6 @@
 """Reproduce TLT at Colab scale: GRPO with stock trl.GRPOTrainer, then with TLTGRPOTrainer, same seeds and settings.
 
-    python examples/reproduce.py --quick     # 2 x 4 steps, about 10 minutes on 2 CPU cores
+    python examples/reproduce.py --quick     # 2 x 3 steps, under 10 minutes on 2 CPU cores
     python examples/reproduce.py             # 2 x 12 steps (see the README for the measured duration)
     python examples/reproduce.py --model Qwen/Qwen2.5-0.5B-Instruct --max-completion-length 1024   # on a GPU
 
@@ -203,9 +203,9 @@ def table(summaries: dict) -> str:
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="4 steps per run: about 10 minutes on 2 CPU cores")
+    p.add_argument("--quick", action="store_true", help="3 steps per run: under 10 minutes on 2 CPU cores")
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded, offline) or any Hub model id")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 12, quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 12, quick 3)")
     p.add_argument("--prompts-per-step", type=int, default=2,
                    help="prompts per step (each sampled num_generations times)")
     p.add_argument("--num-generations", type=int, default=8, help="GRPO group size")
@@ -219,7 +219,7 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/reproduce")
     options = p.parse_args()
-    options.steps = options.steps or (4 if options.quick else 12)
+    options.steps = options.steps or (3 if options.quick else 12)
     options.max_completion_length = options.max_completion_length or (128 if options.quick else 192)
     return options
 

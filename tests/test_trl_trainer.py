@@ -22,7 +22,8 @@ from tlt_trainers import TLTGRPOConfig, TLTGRPOTrainer  # noqa: E402
 from tlt_trainers.trl.trainer import effective_generation_config, generation_settings  # noqa: E402
 
 TLT_KEYS = {"tlt/acceptance_length", "tlt/draft_tokens", "tlt/accepted_tokens", "tlt/speculative_step_fraction",
-            "tlt/drafter_loss", "tlt/drafter_idle_seconds", "tlt/drafter_steps", "tlt/rollout_seconds"}
+            "tlt/drafter_loss", "tlt/drafter_idle_seconds", "tlt/drafter_steps", "tlt/rollout_seconds",
+            "tlt/history_proposed_tokens"}
 SCRIPTS = Path(__file__).parent / "trl_scripts"
 
 

@@ -30,6 +30,7 @@ STAT_FIELDS = (
     "accepted_tokens",
     "decode_steps",
     "speculative_steps",
+    "history_proposed",  # draft tokens proposed from rollout history
     "total_steps",  # the drafter trainer's step counter after this update
 )
 COLUMN = {name: i for i, name in enumerate(STAT_FIELDS)}
