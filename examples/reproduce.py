@@ -38,11 +38,12 @@ INSTRUCTION = " Give only the final answer."
 
 
 def arithmetic_dataset(size: int, seed: int) -> Dataset:
-    """reasoning-gym basic_arithmetic, small numbers so that a 135M model earns some reward."""
+    """reasoning-gym basic_arithmetic: two terms, + and -, so that a 135M model earns some reward (with three terms
+    and division, SmolLM2-135M scored 0 on every completion of a quick run: no GRPO signal)."""
     import reasoning_gym
 
-    data = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=3,
-                                        min_digits=1, max_digits=2)
+    data = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2,
+                                        min_digits=1, max_digits=2, operators=("+", "-"))
     return Dataset.from_list([{"prompt": [{"role": "user", "content": item["question"] + INSTRUCTION}],
                                "answer": str(item["answer"])} for item in data])
 
