@@ -121,5 +121,5 @@ def test_a_gain_within_the_noise_is_not_taken():
     arm = parse_strategy("chain:4")
     for margin, expected in ((1.05, NONE), (1.0, arm)):
         selector = StrategySelector([arm], profile, exploration=0.0, min_speedup=margin)
-        feed(selector, arm, 1, tokens_per_row=1.5, steps=200)  # 1.5 / 1.45 = 1.03
-        assert selector.choose(1) == expected
+        feed(selector, arm, 2, tokens_per_row=1.5, steps=200)  # 1.5 / 1.45 = 1.03 (2 rows: 3 tokens a step)
+        assert selector.choose(2) == expected
