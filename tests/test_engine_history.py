@@ -5,8 +5,8 @@ or as one more branch of a drafter tree."""
 import pytest
 import torch
 from test_engine_greedy import staggered_eos, train_drafter
-from test_engine_sampling import NEW_TOKENS, PROMPT, SAMPLES, _pad, hf_samples, two_sample_pvalue
-from test_engine_trees import scripted_engine
+from test_engine_sampling import hf_samples, two_sample_pvalue
+from test_engine_trees import engine_samples, scripted_engine
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
@@ -74,18 +74,6 @@ def test_history_can_be_switched_off(trained):
         SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="tree:2x2:3+history:2"))
     with pytest.raises(ValueError, match="only a tree combines with history"):
         TLTConfig(speculation="always", strategy="chain:3+history:2")
-
-
-@pytest.fixture(scope="module")
-def sampling_model():
-    return tiny_model("llama", vocab_size=8, logit_scale=12.0, seed=3)
-
-
-def engine_samples(engine, seed, **sampling):
-    ids = PROMPT.expand(SAMPLES, -1)
-    res = engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=True, eos_token_id=EOS, pad_token_id=PAD,
-                          generator=torch.Generator().manual_seed(seed), **{"top_k": 0, **sampling})
-    return _pad(res.sequences[:, PROMPT.shape[1]:]), res.stats
 
 
 @pytest.mark.parametrize("strategy,sampling", [

@@ -115,11 +115,6 @@ def test_switching_every_step_greedy(trained):
 
 
 @pytest.fixture(scope="module")
-def sampling_model():
-    return tiny_model("llama", vocab_size=8, logit_scale=12.0, seed=3)
-
-
-@pytest.fixture(scope="module")
 def bad_drafter(sampling_model):
     torch.manual_seed(11)
     return EagleDrafter.from_target(sampling_model)
