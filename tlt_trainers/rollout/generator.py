@@ -529,7 +529,7 @@ class _Rollout:
         rows = self.rows
         ends = (rows.state.length + 1).tolist()  # committed tokens and the pending one
         pads = rows.state.pad.tolist()
-        seqs = rows.seq.tolist()
+        seqs = rows.seq[:, : max(ends)].tolist()
         keys = [self.history_keys[i] for i in rows.index.tolist()]
         contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
         proposals = self.history.propose_many(keys, contexts, k)

@@ -85,17 +85,10 @@ class RowKV:
         value_buffer.scatter_(2, slot, values.to(value_buffer.dtype))
         return key_buffer[:, :, :kv_len], value_buffer[:, :, :kv_len]
 
-    def select(self, keep: torch.Tensor) -> None:
-        if self.keys is not None:
-            self.keys = self.keys.index_select(0, keep)
-            self.values = self.values.index_select(0, keep)
-            self.storage = (self.keys, self.values)
-
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
         """Drop finished rows in place: rows ``movers`` move into ``holes``, the buffers become views of n rows.
 
-        Only the written slots of the moved rows are copied (O(finished rows)), and the storage stays put,
-        unlike ``select``, which copies every live row's whole capacity.
+        Only the written slots of the moved rows are copied (O(finished rows)), and the storage stays put.
         """
         if self.keys is not None:
             self.keys = compact_in_place(self.keys, holes, movers, n, 2, self.used)
@@ -163,10 +156,6 @@ class RowCache(Cache):
         self.capacity = capacity
         self.plan: WritePlan | None = None
         super().__init__(layers=[_RowCacheLayer(self) for _ in range(num_layers)])
-
-    def select(self, keep: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.store.select(keep)
 
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
         for layer in self.layers:
