@@ -41,5 +41,5 @@ def __getattr__(name: str):
     except ModuleNotFoundError as err:
         raise ImportError(
             f"tlt_trainers.{name} cannot be imported ({err}). The TRL adapter needs "
-            "`pip install tlt-trainers[trl]`; the veRL adapter (TLTPPOTrainer) is not built yet."
+            "`pip install tlt-trainers[trl]`; the veRL adapter needs `pip install tlt-trainers[verl]`."
         ) from err

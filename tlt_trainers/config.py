@@ -139,3 +139,35 @@ class TLTConfig:
             if arm.history and not self.history:
                 raise ValueError(f"Strategy {arm.name!r} proposes from history but TLTConfig.history is False.")
         return arms
+
+
+def check_trainer_settings(values: dict) -> None:
+    """Validate the trainer-level TLT settings shared by the TRL config and veRL's ``tlt:`` section.
+
+    Only the names present in ``values`` are checked, so each adapter passes the fields it has.
+    """
+    def given(name):
+        return values.get(name) is not None
+
+    if "speculation" in values and values["speculation"] not in SPECULATION_MODES:
+        raise ValueError(f"speculation={values['speculation']!r} is not one of {SPECULATION_MODES}.")
+    if given("num_speculative_tokens") and values["num_speculative_tokens"] < 1:
+        raise ValueError(f"num_speculative_tokens={values['num_speculative_tokens']} must be >= 1 (or None); use "
+                         "speculation='never' to stop drafting.")
+    if given("draft_vocab_size") and values["draft_vocab_size"] < 0:
+        raise ValueError("draft_vocab_size must be None (automatic), 0 (full vocabulary) or a positive size.")
+    for name in ("drafter_update_fraction", "drafter_update_seconds", "drafter_max_idle_seconds",
+                 "drafter_warmup_seconds"):
+        if given(name) and values[name] < 0:
+            raise ValueError(f"{name}={values[name]} must be >= 0 (0 switches that training off).")
+    if given("max_speculative_batch_size") and values["max_speculative_batch_size"] < 1:
+        raise ValueError("max_speculative_batch_size must be >= 1, or None to decide from measured costs.")
+    for name in ("drafter_unroll_steps", "drafter_micro_batch_size", "drafter_buffer_bytes"):
+        if given(name) and values[name] < 1:
+            raise ValueError(f"{name}={values[name]} must be >= 1.")
+    if given("drafter_max_steps_per_update") and values["drafter_max_steps_per_update"] < 0:
+        raise ValueError("drafter_max_steps_per_update must be >= 0 or None.")
+    if given("drafter_warmup_prompts") and values["drafter_warmup_prompts"] < 0:
+        raise ValueError("drafter_warmup_prompts must be >= 0.")
+    if "drafter_lr" in values and not (values["drafter_lr"] or 0) > 0:
+        raise ValueError(f"drafter_lr={values['drafter_lr']} must be > 0.")

@@ -101,3 +101,27 @@ class GenerationStats:
         for name, bucket in self.buckets.items():
             data["buckets"][name]["acceptance_length"] = bucket.acceptance_length
         return data
+
+
+class RolloutCounters:
+    """GenerationStats summed over the generate() calls of one rollout (the trainers' metrics)."""
+
+    FIELDS = ("emitted_tokens", "row_forwards", "draft_tokens", "accepted_tokens", "decode_steps",
+              "speculative_steps", "history_proposed")
+
+    def __init__(self):
+        self.values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, stats) -> None:
+        self.values["emitted_tokens"] += stats.generated_tokens_in_steps
+        self.values["row_forwards"] += stats.row_forwards
+        self.values["draft_tokens"] += stats.draft_tokens
+        self.values["accepted_tokens"] += stats.accepted_tokens
+        self.values["decode_steps"] += stats.steps
+        self.values["speculative_steps"] += stats.speculative_steps
+        self.values["history_proposed"] += stats.history_proposed
+
+    @property
+    def acceptance_length(self) -> float:
+        rows = self.values["row_forwards"]
+        return self.values["emitted_tokens"] / rows if rows else float("nan")

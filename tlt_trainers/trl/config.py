@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from trl import GRPOConfig
 
-from ..config import SPECULATION_MODES, TLTConfig
+from ..config import SPECULATION_MODES, TLTConfig, check_trainer_settings
 
 
 @dataclass
@@ -155,27 +155,5 @@ def _default(name: str):
 def resolve_tlt_settings(args) -> TLTSettings:
     """Read the TLT fields from ``args`` (defaults where a plain GRPOConfig lacks them) and check them."""
     values = {name: getattr(args, name, _default(name)) for name in TLT_FIELDS}
-    if values["speculation"] not in SPECULATION_MODES:
-        raise ValueError(f"speculation={values['speculation']!r} is not one of {SPECULATION_MODES}.")
-    k = values["num_speculative_tokens"]
-    if k is not None and k < 1:
-        raise ValueError(f"num_speculative_tokens={k} must be >= 1 (or None); use speculation='never' to stop "
-                         "drafting.")
-    if values["draft_vocab_size"] is not None and values["draft_vocab_size"] < 0:
-        raise ValueError("draft_vocab_size must be None (automatic), 0 (full vocabulary) or a positive size.")
-    for name in ("drafter_update_fraction", "drafter_update_seconds", "drafter_max_idle_seconds",
-                 "drafter_warmup_seconds"):
-        if values[name] < 0:
-            raise ValueError(f"{name}={values[name]} must be >= 0 (0 switches that training off).")
-    if values["max_speculative_batch_size"] is not None and values["max_speculative_batch_size"] < 1:
-        raise ValueError("max_speculative_batch_size must be >= 1, or None to decide from measured costs.")
-    for name in ("drafter_unroll_steps", "drafter_micro_batch_size", "drafter_buffer_bytes"):
-        if values[name] < 1:
-            raise ValueError(f"{name}={values[name]} must be >= 1.")
-    if values["drafter_max_steps_per_update"] is not None and values["drafter_max_steps_per_update"] < 0:
-        raise ValueError("drafter_max_steps_per_update must be >= 0 or None.")
-    if values["drafter_warmup_prompts"] < 0:
-        raise ValueError("drafter_warmup_prompts must be >= 0.")
-    if not values["drafter_lr"] > 0:
-        raise ValueError(f"drafter_lr={values['drafter_lr']} must be > 0.")
+    check_trainer_settings(values)
     return TLTSettings(**values)

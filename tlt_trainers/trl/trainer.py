@@ -33,6 +33,7 @@ from trl.trainer.utils import pad
 from ..drafter.eagle import EagleDrafter
 from ..drafter.trainer import TRAINER_STATE, DrafterTrainer
 from ..rollout.generator import SpeculativeGenerator
+from ..rollout.stats import RolloutCounters
 from ..spec.sampling import SamplingParams, check_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
 from .sync import COLUMN, STAT_FIELDS, RankGroup
@@ -107,25 +108,6 @@ def _policy_of(unwrapped):
     return get_base() if callable(get_base) else unwrapped
 
 
-class _RolloutCounters:
-    """GenerationStats summed over the single-turn generations of one ``_generate`` call."""
-
-    FIELDS = ("emitted_tokens", "row_forwards", "draft_tokens", "accepted_tokens", "decode_steps",
-              "speculative_steps", "history_proposed")
-
-    def __init__(self):
-        self.values = dict.fromkeys(self.FIELDS, 0)
-
-    def add(self, stats) -> None:
-        self.values["emitted_tokens"] += stats.generated_tokens_in_steps
-        self.values["row_forwards"] += stats.row_forwards
-        self.values["draft_tokens"] += stats.draft_tokens
-        self.values["accepted_tokens"] += stats.accepted_tokens
-        self.values["decode_steps"] += stats.steps
-        self.values["speculative_steps"] += stats.speculative_steps
-        self.values["history_proposed"] += stats.history_proposed
-
-
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
 
@@ -163,7 +145,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_pending = False
         self._tlt_in_tool_loop = False
         self._tlt_rollout_start = time.perf_counter()
-        self._tlt_counters = _RolloutCounters()
+        self._tlt_counters = RolloutCounters()
         self._tlt_warned: set[str] = set()
         self._tlt_stock_reason = None
         if getattr(self, "_is_vlm", False):
@@ -310,7 +292,7 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _generate(self, *args, **kwargs):
         self._tlt_pending = True
         self._tlt_rollout_start = time.perf_counter()
-        self._tlt_counters = _RolloutCounters()
+        self._tlt_counters = RolloutCounters()
         output = super()._generate(*args, **kwargs)
         self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
         return output

@@ -1,0 +1,166 @@
+"""TLTAgentLoopManager: veRL's AgentLoopManager plus TLT's use of the rollout's idle time.
+
+A rollout step splits the batch over the agent-loop workers and waits for all of them. While it waits
+(``ray.wait`` over the workers' futures, waking every ``POLL_SECONDS``), every ``tlt`` replica that has
+served its requests and has nothing queued trains its drafter; a new request stops it within one
+micro-step. When all workers are done the manager stops the training, trains after the rollout instead if
+no replica was ever idle (``post_rollout``: a budget proportional to the rollout), averages the drafters
+that trained (weighted by their steps) and loads the result into every replica, so the next rollout
+drafts with it. The step's ``tlt/*`` metrics wait in :attr:`last_metrics` for the trainer to log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import numpy as np
+import ray
+import torch
+from verl.experimental.agent_loop import AgentLoopManager
+from verl.protocol import DataProto
+from verl.utils.ray_utils import auto_await
+from verl.utils.skip import SkipManager
+
+from .replica import server_name
+from .settings import TLTSection
+
+POLL_SECONDS = 0.25
+
+
+def average_states(payloads: list[dict]) -> dict | None:
+    """Parameter-wise average of the drafters that trained, weighted by their steps (local SGD's merge)."""
+    trained = [p for p in payloads if p is not None and p["steps"] > 0]
+    if not trained:
+        return None
+    if len(trained) == 1:
+        return trained[0]
+    total = sum(p["steps"] for p in trained)
+    state = {}
+    for name, first in trained[0]["state"].items():
+        if not torch.is_floating_point(first):
+            state[name] = first
+            continue
+        state[name] = sum(p["state"][name].float() * (p["steps"] / total) for p in trained).to(first.dtype)
+    return {"state": state, "steps": total, "total_steps": max(p["total_steps"] for p in trained),
+            "draft_vocab_ready": any(p.get("draft_vocab_ready") for p in trained)}
+
+
+def find_servers() -> list:
+    """The tlt servers of this Ray job, by replica rank (they are named actors, see ``replica.server_name``)."""
+    names = sorted((a["name"] if isinstance(a, dict) else a) for a in ray.util.list_named_actors())
+    ranks = sorted(int(n.rsplit("_", 1)[1]) for n in names if n.startswith(server_name(0)[:-1]) and
+                   n.rsplit("_", 1)[1].isdigit())
+    return [ray.get_actor(server_name(rank)) for rank in ranks]
+
+
+class TLTAgentLoopManager(AgentLoopManager):
+    """Set as ``actor_rollout_ref.rollout.agent.agent_loop_manager_class`` by our config."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.tlt = TLTSection.from_mapping(config.get("tlt"))
+        self._servers: list | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.drafter_updates = 0
+
+    @property
+    def servers(self) -> list:
+        if self._servers is None:
+            self._servers = find_servers()
+            if not self._servers:
+                raise RuntimeError("TLTAgentLoopManager found no tlt rollout server: set "
+                                   "actor_rollout_ref.rollout.name=tlt (the tlt_ppo_trainer config does).")
+        return self._servers
+
+    @auto_await
+    @SkipManager.annotate(role="rollout")
+    async def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """AgentLoopManager's rollout, with idle replicas training their drafters while it runs."""
+        if "priority" not in prompts.non_tensor_batch:
+            prompts.non_tensor_batch["priority"] = np.arange(len(prompts), dtype=np.int64)
+        validate = bool(prompts.meta_info.get("validate", False))
+        servers = self.servers
+        start = time.perf_counter()
+        chunks = prompts.chunk(len(self.agent_loop_workers))
+        pending = [worker.generate_sequences.remote(chunk) for worker, chunk in zip(self.agent_loop_workers, chunks)]
+        order = list(pending)
+        training: dict[int, ray.ObjectRef] = {}
+        finished_workers: list[float] = []
+        while pending:
+            done, pending = await asyncio.to_thread(ray.wait, pending, num_returns=1, timeout=POLL_SECONDS)
+            finished_workers += [time.perf_counter() - start] * len(done)
+            if validate or not pending or self.tlt.drafter_max_idle_seconds <= 0 or self.tlt.speculation == "never":
+                continue
+            idle = await asyncio.gather(*[s.is_idle.remote() for s in servers])
+            for rank, (server, is_idle) in enumerate(zip(servers, idle)):
+                if is_idle and rank not in training:  # served its share while others still generate
+                    training[rank] = server.train_drafter.remote(self.tlt.drafter_max_idle_seconds)
+        rollout_seconds = time.perf_counter() - start
+        outputs = await asyncio.gather(*order)
+
+        output = DataProto.concat(outputs)
+        metrics = [o.meta_info.pop("metrics") for o in outputs]
+        timing = self._performance_metrics(metrics, output)
+        output.meta_info = {"timing": timing, **outputs[0].meta_info}
+
+        stats = await asyncio.gather(*[s.rollout_stats.remote() for s in servers])
+        if validate:
+            return output
+        self.last_metrics = await self._update_drafters(servers, training, stats, rollout_seconds, finished_workers)
+        return output
+
+    async def _update_drafters(self, servers, training, stats, rollout_seconds, finished_workers) -> dict:
+        await asyncio.gather(*[s.stop_training.remote() for s in servers])
+        idle_results = {rank: await ref for rank, ref in training.items()}
+        idle_steps = sum(r.get("steps", 0) for r in idle_results.values())
+        trigger, results = "idle", idle_results
+        post_seconds = 0.0
+        if idle_steps == 0 and self.tlt.speculation != "never":
+            trigger = "post_rollout"
+            budget = min(self.tlt.drafter_update_seconds, self.tlt.drafter_update_fraction * rollout_seconds)
+            t0 = time.perf_counter()
+            post = await asyncio.gather(*[s.train_drafter.remote(budget, at_least_one=True) for s in servers])
+            post_seconds = time.perf_counter() - t0
+            results = dict(enumerate(post))
+        sync_start = time.perf_counter()
+        payloads = await asyncio.gather(*[s.drafter_state.remote() for s in servers])
+        merged = average_states(payloads)
+        if merged is not None:
+            await asyncio.gather(*[s.load_drafter_state.remote(merged) for s in servers])
+            self.drafter_updates += 1
+        sync_seconds = time.perf_counter() - sync_start
+
+        def total(name):
+            return float(sum(s.get(name, 0) for s in stats))
+
+        trained = [r for r in results.values() if r.get("steps", 0) > 0]
+
+        def mean_of(name):
+            values = [r[name] for r in trained if isinstance(r.get(name), float) and math.isfinite(r[name])]
+            return float(np.mean(values)) if values else float("nan")
+
+        rows = total("row_forwards")
+        return {
+            "tlt/acceptance_length": total("emitted_tokens") / rows if rows else float("nan"),
+            "tlt/speculative_step_fraction": total("speculative_steps") / max(total("decode_steps"), 1.0),
+            "tlt/history_proposed_tokens": total("history_proposed"),
+            "tlt/rollout_seconds": rollout_seconds,
+            # worker-seconds spent waiting for the slowest agent-loop worker: the time TLT trains in
+            "tlt/idle_seconds": float(sum(max(finished_workers) - t for t in finished_workers)) if finished_workers
+            else 0.0,
+            "tlt/drafter_idle_seconds": float(sum(r.get("seconds", 0.0) for r in idle_results.values())),
+            "tlt/drafter_update_seconds": post_seconds,
+            "tlt/drafter_steps": float(sum(r.get("steps", 0) for r in results.values())),
+            "tlt/drafter_loss": mean_of("loss"),
+            "tlt/drafter_top1": mean_of("top1"),
+            "tlt/drafter_sync_seconds": sync_seconds,
+            "tlt/drafter_trigger_idle": 1.0 if trigger == "idle" and merged is not None else 0.0,
+            "tlt/drafter_total_steps": float(max((s.get("drafter_total_steps", 0) for s in stats), default=0)),
+            "tlt/history_bytes": total("history_bytes"),
+        }
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.last_metrics = self.last_metrics, {}
+        return metrics
