@@ -58,7 +58,9 @@ def test_measured_acceptance_picks_the_best_arm():
     feed(selector, ARMS[1], 1, 1.6)
     feed(selector, ARMS[2], 1, 4.0)
     assert selector.choose(1) == ARMS[2]
-    assert selector.acceptance(ARMS[2], 1) == pytest.approx((20 * 4.0 + 2 * selector._prior(ARMS[2], 1)) / 22)
+    shared = (20 * 4.0 + 2 * selector._prior(ARMS[2], 1)) / 22  # the prior counts as 2 observations
+    own_bucket = (20 * 4.0 + selector.bucket_weight * shared) / (20 + selector.bucket_weight)
+    assert selector.acceptance(ARMS[2], 1) == pytest.approx(own_bucket)
 
 
 def test_slow_steps_raise_the_measured_cost_of_their_bucket_only():
@@ -123,3 +125,17 @@ def test_a_gain_within_the_noise_is_not_taken():
         selector = StrategySelector([arm], profile, exploration=0.0, min_speedup=margin)
         feed(selector, arm, 2, tokens_per_row=1.5, steps=200)  # 1.5 / 1.45 = 1.03 (2 rows: 3 tokens a step)
         assert selector.choose(2) == expected
+
+
+def test_a_bucket_that_accepts_less_than_the_tail_stops_speculating():
+    """Acceptance learnt in the tail (long, repetitive rows) must not carry a bucket whose own rows accept less."""
+    profile = synthetic_profile()
+    for q in (1, 5, 9, 33):  # batch 64 made cheap enough that the tail's acceptance would pay there
+        profile.verify[(64, q)] = 0.08 * (1 + 0.1 * (q - 1))
+    arm = ARMS[0]
+    selector = StrategySelector([arm], profile, exploration=0.0)
+    feed(selector, arm, 1, tokens_per_row=3.0, steps=40)
+    assert selector.choose(64) == arm  # the shared estimate alone says it pays
+    feed(selector, arm, 64, tokens_per_row=1.0, steps=12)
+    assert selector.choose(64) == NONE
+    assert selector.choose(1) == arm

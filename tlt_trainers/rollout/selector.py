@@ -4,8 +4,10 @@ The reward of a strategy at batch size b is its speedup over plain decoding:
 ``accepted tokens per row and step / (step seconds / plain step seconds)``. Its two factors are
 estimated separately because they generalise differently:
 
-* tokens per row and step depend on how well the drafter predicts the policy, not on the batch
-  size, so every step informs every bucket; a sliding window forgets what a stale drafter did.
+* tokens per row and step depend mostly on how well the drafter predicts the policy, so every step
+  informs every bucket; a sliding window forgets what a stale drafter did. Which rows are still
+  running differs by batch size, though (the tail is the long, often repetitive answers), so a
+  bucket with its own observations shrinks the shared estimate toward them.
 * the relative cost depends on the batch size and the device: a profile predicts it and every
   step corrects the prediction for its bucket (see :mod:`.costs`).
 
@@ -25,7 +27,7 @@ from .costs import CostProfile, selector_bucket
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
-                 explore_below: float = 1.5, min_speedup: float = 1.05):
+                 explore_below: float = 1.3, min_speedup: float = 1.05, bucket_weight: float = 8.0):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
@@ -34,8 +36,10 @@ class StrategySelector:
         self.cost_smoothing = cost_smoothing
         self.explore_below = explore_below
         self.min_speedup = min_speedup
+        self.bucket_weight = bucket_weight
         self.steps = 0
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
+        self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
         self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
         self.chosen: dict[int, dict[str, int]] = {}
 
@@ -47,17 +51,23 @@ class StrategySelector:
             value += 0.5
         return min(value, strategy.max_emitted)
 
-    def _recent(self, strategy: Strategy) -> deque:
-        history = self.observed[strategy.name]
+    def _recent(self, strategy: Strategy, bucket: int | None = None) -> deque:
+        history = self.observed[strategy.name] if bucket is None else self.observed_in.get((bucket, strategy.name))
+        if history is None:
+            return deque()
         while history and history[0][0] <= self.steps - self.window:
             history.popleft()
         return history
 
     def acceptance(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
-        """Tokens per row and step: windowed mean with the prior as pseudo-observations, plus a UCB bonus."""
+        """Tokens per row and step: windowed mean with the prior as pseudo-observations, shrunk toward this
+        bucket's own observations (``bucket_weight`` pseudo-counts for the shared mean), plus a UCB bonus."""
         history = self._recent(strategy)
         n = len(history) + self.prior_steps
         mean = (sum(a for _, a in history) + self.prior_steps * self._prior(strategy, batch)) / n
+        own = self._recent(strategy, selector_bucket(batch))
+        if own:
+            mean = (sum(a for _, a in own) + self.bucket_weight * mean) / (len(own) + self.bucket_weight)
         if optimism:
             mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
         return min(mean, strategy.max_emitted)
@@ -99,6 +109,8 @@ class StrategySelector:
             history = self.observed.get(strategy.name)
             if history is not None:
                 history.append((self.steps, emitted / batch))
+                self.observed_in.setdefault((selector_bucket(batch), strategy.name), deque()).append(
+                    (self.steps, emitted / batch))
         predicted = self.profile.step_seconds(strategy, batch)
         if math.isfinite(predicted) and predicted > 0:
             key = (selector_bucket(batch), strategy.name)
