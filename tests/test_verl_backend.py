@@ -156,7 +156,7 @@ def test_greedy_rollout_through_agent_loop_matches_generate(model_dir, rollout_a
         assert metrics["tlt/drafter_update_seconds"] > 0
 
 
-def test_sampled_rollout_trains_and_syncs_drafters_across_replicas(model_dir, rollout_actors):
+def test_sampled_rollout_trains_and_syncs_drafters_across_replicas(model_dir, rollout_actors, tmp_path):
     config = backend_config(model_dir, 2, "actor_rollout_ref.rollout.temperature=1.0",
                             "tlt.speculation=always", "tlt.num_speculative_tokens=2", "tlt.seed=3")
     servers, agents = make_managers(config)
@@ -173,6 +173,17 @@ def test_sampled_rollout_trains_and_syncs_drafters_across_replicas(model_dir, ro
         assert torch.equal(tensor, states[1]["state"][name]), name
     served = ray.get([h.rollout_stats.remote() for h in handles])
     assert all(s["rows"] == 0 for s in served)  # counters were reset by the manager after each rollout
+
+    # The drafter checkpoint TLTPPOTrainer writes into global_step_N/drafter, and its restore on resume.
+    folder = str(tmp_path / "global_step_2" / "drafter")
+    assert ray.get(handles[0].save_drafter.remote(folder))
+    zeroed = {**states[1], "state": {k: torch.zeros_like(v) for k, v in states[1]["state"].items()}}
+    ray.get(handles[1].load_drafter_state.remote(zeroed))
+    assert ray.get(handles[1].load_drafter.remote(folder))
+    restored = ray.get(handles[1].drafter_state.remote())
+    for name, tensor in states[0]["state"].items():
+        assert torch.equal(tensor, restored["state"][name]), name
+    assert restored["total_steps"] == states[0]["total_steps"]
 
 
 def test_vllm_engine_kwargs_point_at_an_exported_drafter(tmp_path):
