@@ -7,33 +7,38 @@ own flow: ``run_ppo`` starts Ray and a task runner, which builds the workers and
 
 from __future__ import annotations
 
+import os
+
 import hydra
-import ray
-from verl.trainer import main_ppo_v0
 from verl.trainer.main_ppo import run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from .replica import register
-from .trainer import TLTPPOTrainer, check_tlt_config
+from .task_runner import TLTTaskRunner
+from .trainer import check_tlt_config
 
 
-class _TLTTaskRunner(main_ppo_v0.TaskRunner.__ray_actor_class__):
-    """veRL's task runner, building a TLTPPOTrainer. It constructs ``RayPPOTrainer`` by its module-level name,
-    so inside this (dedicated) actor process that name is pointed at our subclass before the run."""
+def use_cpu_platform(config) -> None:
+    """``trainer.device=cpu``: select veRL's cpu platform here and, through the environment they inherit, in the
+    Ray workers (tlt_trainers.verl.cpu_platform)."""
+    from verl.plugin.platform.platform_manager import get_platform, set_platform
 
-    def run(self, config):
-        register()
-        main_ppo_v0.RayPPOTrainer = TLTPPOTrainer
-        return super().run(config)
+    from .cpu_platform import CPUPlatform, install
 
-
-TLTTaskRunner = ray.remote(num_cpus=1)(_TLTTaskRunner)
+    if config.actor_rollout_ref.actor.strategy == "fsdp":
+        raise ValueError("On CPU the actor needs actor_rollout_ref.actor.strategy=fsdp2 (FSDP1 requires an "
+                         "accelerator); the tlt_ppo_trainer_cpu config sets it.")
+    os.environ["VERL_PLATFORM"] = "cpu"
+    install()
+    if get_platform().device_name != "cpu":
+        set_platform(CPUPlatform())
 
 
 def run(config) -> None:
     """Validate and train: the body of ``main``, callable from Python with a composed config."""
+    if config.trainer.get("device") == "cpu":
+        use_cpu_platform(config)
     auto_set_device(config)
     check_tlt_config(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
