@@ -157,7 +157,8 @@ class TLTAgentLoopManager(AgentLoopManager):
             "tlt/drafter_top1": mean_of("top1"),
             "tlt/drafter_sync_seconds": sync_seconds,
             "tlt/drafter_trigger_idle": 1.0 if trigger == "idle" and merged is not None else 0.0,
-            "tlt/drafter_total_steps": float(max((s.get("drafter_total_steps", 0) for s in stats), default=0)),
+            "tlt/drafter_total_steps": float(merged["total_steps"] if merged is not None
+                                             else max((s.get("drafter_total_steps", 0) for s in stats), default=0)),
             "tlt/history_bytes": total("history_bytes"),
         }
 
