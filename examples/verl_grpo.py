@@ -1,6 +1,6 @@
 """GRPO on veRL with TLT: reasoning-gym arithmetic, verifiable reward, `python -m tlt_trainers.verl.main_ppo`.
 
-    python examples/verl_grpo.py --steps 2                       # CPU: the embedded SmolLM2-135M-Instruct
+    python examples/verl_grpo.py --steps 2     # CPU: the embedded SmolLM2-135M-Instruct, about 10 min per step
     python examples/verl_grpo.py --model /path/or/hub-id --gpus 1 --steps 50 --response-length 1024   # GPU
 
 Writes the data as veRL parquet files under `--output-dir`, then runs veRL's trainer with TLT (the `tlt` rollout
