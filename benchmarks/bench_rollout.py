@@ -36,6 +36,9 @@ Definitions (seconds are wall time of the generate call; per-step times come fro
   Rows only ever leave the batch, so this equals the time of all steps with at most that many rows.
   ``model.generate`` has no per-step trace: only its total time is measured.
 - speedups are ratios of seconds, baseline / engine: >1 means the engine is faster.
+- *equal-batch* speedups compare an engine's steps with no-spec's plain steps at the same batch sizes (same
+  rep); *same clock* ones first rescale them by a speed probe (a fixed forward timed before and after every
+  rollout), because this CPU's speed drifts by up to 10-15% between rollouts minutes apart.
 
 Until the engine exposes ``stats.trace`` the per-bucket table falls back to ``stats.buckets`` (and
 the tail to whole buckets below the threshold: exact when the threshold is a bucket's upper bound,
@@ -70,6 +73,7 @@ ENGINES = ("generate", "no_spec", "always", "adaptive", "model_only", "history_o
 # Adaptive engines by proposer: the model drafter and rollout history (default), each alone (issue 8's comparison).
 ADAPTIVE = {"adaptive": dict(), "model_only": dict(history=False), "history_only": dict()}
 BUCKET_ORDER = [bucket_name(low) for low, _ in BUCKETS]
+EQUAL_BUCKETS = ("17-64", "5-16", "2-4", "1")  # equal-batch speedups printed per bucket
 
 
 def parse_args():
@@ -153,6 +157,25 @@ def run_engine(model, tok, engine, ids, mask, max_new_tokens, temperature, seed,
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     return seqs, stats, time.perf_counter() - start, peak
+
+
+def speed_probe(model, ids, mask, repeats: int = 3) -> float:
+    """Seconds of one fixed policy forward (the prefill of 16 prompts), fastest of ``repeats``.
+
+    This CPU's speed drifts by up to 10-15% over minutes (two runs of the same engine on the same tokens, three
+    minutes apart, differed by 10%). Probing before and after every rollout measures the machine's speed during it,
+    so that step times compared across rollouts (the equal-batch ratios) can be put on the same clock.
+    """
+    rows = min(16, ids.shape[0])
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(input_ids=ids[:rows], attention_mask=mask[:rows])
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize(ids.device)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def completion_lengths(seqs, prompt_len, tok) -> list[int]:
@@ -348,6 +371,7 @@ def main():
 
     has_trace = False
     raw = []  # one record per (temperature, rep, engine)
+    probe = speed_probe(model, ids, mask)
     for temperature in args.temperatures:
         for rep in range(args.reps):
             seed = args.seed + rep
@@ -359,9 +383,11 @@ def main():
             for name in names:
                 seqs, stats, seconds, peak = run_engine(model, tok, engines[name], ids, mask, args.max_new_tokens,
                                                         temperature, seed, device)
+                probe_after = speed_probe(model, ids, mask)
                 lengths = completion_lengths(seqs, ids.shape[1], tok)
                 record = {"temperature": temperature, "rep": rep, "seed": seed, "engine": name,
                           "seconds": seconds, "tokens": sum(lengths), "lengths": lengths,
+                          "probe_seconds": (probe + probe_after) / 2,
                           "peak_device_bytes": peak, "shape_check": shape_check(seqs, ids, tok, args.max_new_tokens)}
                 if stats is not None:
                     has_trace = has_trace or bool(getattr(stats, "trace", None))
@@ -376,6 +402,7 @@ def main():
                     record["history_bytes"] = getattr(stats, "history_bytes", 0)
                 outputs[name] = seqs
                 raw.append(record)
+                probe = probe_after
                 print(f"T={temperature} rep {rep} {name}: {seconds:.2f}s, {sum(lengths)} tokens, "
                       f"shape ok: {record['shape_check']['ok']}", flush=True)
             if temperature == 0 and "generate" in outputs:
@@ -408,6 +435,7 @@ def main():
         print("\nProposers per rep (rep 0: the prompts' first visit, history = finished siblings and own context; "
               "later reps revisit the same prompts, as later epochs do, so earlier rollouts are in the history too):")
         table_prop = print_table(["T", "rep", "engine", "equal-batch speedup", "equal-batch tail speedup",
+                                  "clock", *(f"same clock: {n}" for n in ("all", *EQUAL_BUCKETS, "tail")),
                                   "accept len", "vs no-spec", "tail vs no-spec",
                                   "history tokens proposed", "history MB"], rows_prop)
     print("\nCompletion lengths (all reps pooled; EOS included):")
@@ -460,19 +488,21 @@ def _interpolate(table: dict[int, float], size: int) -> float:
     return (1 - w) * table[lower] + w * table[upper]
 
 
-def equal_batch_speedups(trace, plain: dict[int, float], tail_rows: float) -> dict:
+def equal_batch_speedups(trace, plain: dict[int, float], tail_rows: float, clock: float = 1.0) -> dict:
     """Speedup over plain decoding at equal batch sizes: tokens/s of the engine's steps divided by the tokens/s
     plain decoding reaches at the same sequence of batch sizes (no-spec's measured step time per batch size).
 
     Sampled completions differ between engines at T > 0, so wall times mix the engine's efficiency with how
     long the sampled rows happened to be; this ratio keeps only the efficiency. Per bucket, and for the tail.
+    ``clock``: the machine's speed during the no-spec rollout relative to this one (ratio of speed probes);
+    the engine's step seconds are multiplied by it, to compare both on no-spec's clock.
     """
     groups: dict[str, list] = {}
     for size, _, emitted, seconds in trace:
         for name in (bucket_name(size), "all") + (("tail",) if size <= tail_rows else ()):
             g = groups.setdefault(name, [0, 0.0, 0, 0.0])
             g[0] += emitted
-            g[1] += seconds
+            g[1] += seconds * clock
             g[2] += size
             g[3] += _interpolate(plain, size)
     return {name: (e / s) / (rows / ps) if s and ps else None for name, (e, s, rows, ps) in groups.items()}
@@ -487,15 +517,18 @@ def proposer_rows(raw):
             continue
         b = base[(r["temperature"], r["rep"])]
         plain = plain_step_seconds(b.get("trace") or [])
+        clock = b["probe_seconds"] / r["probe_seconds"] if r.get("probe_seconds") and b.get("probe_seconds") else 1.0
         equal = equal_batch_speedups(r.get("trace") or [], plain, TAIL_ROWS[0]) if plain else {}
+        equal_clock = equal_batch_speedups(r.get("trace") or [], plain, TAIL_ROWS[0], clock) if plain else {}
         item = {"temperature": r["temperature"], "rep": r["rep"], "engine": r["engine"],
-                "equal_batch_speedup": equal,
+                "equal_batch_speedup": equal, "equal_batch_speedup_same_clock": equal_clock, "clock": clock,
                 "acceptance_length": r.get("acceptance_length"),
                 "speedup_vs_no_spec": ratio(b["seconds"], r["seconds"]),
                 "tail_speedup_vs_no_spec": ratio(b["steps"]["tail"]["seconds"], r["steps"]["tail"]["seconds"]),
                 "history_proposed": r.get("history_proposed", 0), "history_bytes": r.get("history_bytes", 0)}
         out.append(item)
         rows.append([item["temperature"], item["rep"], item["engine"], cell(equal.get("all")), cell(equal.get("tail")),
+                     cell(clock), *(cell(equal_clock.get(name)) for name in ("all", *EQUAL_BUCKETS, "tail")),
                      cell(item["acceptance_length"]),
                      cell(item["speedup_vs_no_spec"]), cell(item["tail_speedup_vs_no_spec"]), item["history_proposed"],
                      cell(item["history_bytes"] / 2**20)])

@@ -10,6 +10,9 @@ from test_engine_trees import engine_samples, scripted_engine
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.rollout.generator import _Rollout
+from tlt_trainers.spec.sampling import SamplingParams
+from tlt_trainers.spec.strategy import parse_strategy
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,33 @@ def test_history_with_drafter_tree_and_switching(trained):
         ours, reference = greedy_both(engine, model, ids, mask, eos=eos, max_new_tokens=24, repetition_penalty=1.2)
         assert torch.equal(ours.sequences, reference)
     assert set(script.used) == set(names)
+
+
+def test_merged_tree_gives_rows_without_a_match_the_history_slots(trained):
+    """Every row verifies N + K nodes: a matched row's history branch displaces its weakest drafted nodes, a row
+    without a match verifies N + K drafted ones instead of K copies of a token."""
+    model, drafter = trained
+    strategy = parse_strategy("tree:3x2:5+history:4")
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy.name))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25]])  # no token repeats: no own-context match
+    first = model(ids).logits[:, -1].argmax(-1).tolist()  # the token prefill commits (greedy)
+    engine.history.add("a", ids[0].tolist() + [first[0], 9, 10, 11, 12, 13])  # row 0 continues in history
+    params = SamplingParams(False, 1.0, 0, 1.0, None, 1.0)
+    rollout = _Rollout(engine, ids, torch.zeros(2, dtype=torch.long), params, 8, torch.tensor([EOS]), PAD, None,
+                       history_keys=["a", "b"])
+    rollout._prefill()
+    tree = rollout._proposal_tree(strategy)
+    assert tree.num_nodes == 9
+    assert tree.tokens[0, 5:].tolist() == [9, 10, 11, 12]
+    assert tree.depths[0, 5:].tolist() == [1, 2, 3, 4] and tree.parents[0, 5:].tolist() == [0, 6, 7, 8]
+    for row, drafted in ((0, 5), (1, 9)):
+        for j in range(drafted):  # a valid drafted subtree: parents first, one level deeper than the parent
+            parent = int(tree.parents[row, j])
+            assert parent <= j
+            assert int(tree.depths[row, j]) == (1 if parent == 0 else int(tree.depths[row, parent - 1]) + 1)
+        assert int(tree.depths[row, :drafted].max()) <= strategy.depth
+    with pytest.raises(ValueError, match="N \\+ K"):
+        parse_strategy("tree:2x2:5+history:3")
 
 
 def test_history_keys_group_rows(trained):

@@ -35,7 +35,7 @@ class ScriptedSelector:
         self.cycle = itertools.cycle([parse_strategy(n) for n in names])
         self.used = []
 
-    def choose(self, batch):
+    def choose(self, batch, history_expected=None):
         strategy = next(self.cycle)
         self.used.append(strategy.name)
         return strategy

@@ -7,7 +7,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.rollout.costs import CostProfile, selector_bucket
 from tlt_trainers.rollout.selector import StrategySelector
-from tlt_trainers.spec.strategy import NONE, parse_strategy, tlt_prior
+from tlt_trainers.spec.strategy import NONE, Strategy, parse_strategy, tlt_prior
 
 ARMS = [parse_strategy(n) for n in ("chain:4", "tree:4x2:8", "tree:8x4:32")]
 
@@ -139,3 +139,42 @@ def test_a_bucket_that_accepts_less_than_the_tail_stops_speculating():
     feed(selector, arm, 64, tokens_per_row=1.0, steps=12)
     assert selector.choose(64) == NONE
     assert selector.choose(1) == arm
+
+
+def history_profile() -> CostProfile:
+    """Batch 1: extra tokens nearly free; batch 64: each verified token costs a third of a plain step."""
+    profile = CostProfile()
+    for batch, slope in ((1, 0.01), (64, 1 / 3)):
+        for q in (1, 2, 3, 5, 9):
+            profile.verify[(batch, q)] = 0.01 * batch ** 0.5 * (1 + slope * (q - 1))
+    return profile
+
+
+def test_history_arm_is_valued_from_the_steps_own_proposals():
+    """Proposals cost nothing to look at: few rows with a match at large batch means plain decoding, long matches
+    everywhere a chain cut to the length that pays, and the tail takes the whole chain."""
+    arm = parse_strategy("history:8")
+    assert arm.history_widths == (1, 2, 4, 8)
+    selector = StrategySelector([arm], history_profile(), exploration=0.0)
+    few = [0.1 * min(w, 6) for w in range(1, 9)]  # a tenth of the rows match 6 tokens
+    assert selector.choose(64, few) == NONE
+    selector.history_outcomes.append((0, 1000, 1000))  # calibrated: predictions come true
+    everyone = [min(w, 6) * 0.9 for w in range(1, 9)]
+    chosen = selector.choose(64, everyone)
+    assert chosen.kind == "history" and chosen.history == 4  # 8 costs 3.3 plain steps for 6 tokens at most
+    assert selector.choose(1, everyone) == Strategy("history", history=8)
+
+
+def test_history_calibration_learns_from_what_was_accepted():
+    arm = parse_strategy("history:8")
+    selector = StrategySelector([arm], history_profile(), exploration=0.0)
+    expected = [min(w, 4) * 0.9 for w in range(1, 9)]
+    chosen = selector.choose(64, expected)
+    assert chosen.kind == "history"
+    for _ in range(10):  # the proposals' matches turn out right for a tenth of what they predicted
+        chosen = selector.choose(64, expected)
+        seconds = selector.profile.step_seconds(chosen, 64)  # costs as profiled
+        selector.observe(chosen, 64, 64, seconds, accepted=int(0.1 * expected[chosen.history - 1] * 64))
+    assert selector.history_calibration() < 0.2
+    assert selector.choose(64, expected) == NONE
+    assert selector.summary()["history_calibration"] == pytest.approx(selector.history_calibration())

@@ -94,7 +94,8 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
     begin = time.perf_counter()
     device = target.device
     sync = device.type == "cuda"
-    token_counts = sorted({1} | {s.tokens_per_row for s in strategies})
+    token_counts = sorted({1} | {s.tokens_per_row for s in strategies}
+                          | {w + 1 for s in strategies for w in s.history_widths})
     widths = sorted({1} | {s.width for s in strategies if s.kind == "tree"})
     for batch in todo:
         capacity = context + token_counts[-1] + 1

@@ -260,6 +260,11 @@ class _Rollout:
             self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity,
                                       mode="static" if graph_mode == "static" else "cuda")
         self.feature_sink = feature_sink
+        self._proposals = None  # (step, k, proposals, contexts) of the current step
+        # Adaptive: history:K arms are valued from each step's proposals (which cost no compute).
+        self.history_arm_tokens = 0
+        if self.selector is not None and self.history is not None:
+            self.history_arm_tokens = max((s.history for s in strategies if s.kind == "history"), default=0)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
@@ -389,15 +394,18 @@ class _Rollout:
             logits = process_logits(logits, self.draft_params, None, self.warpers)
         return torch.log_softmax(logits, dim=-1).clamp(min=-1e4)
 
-    def _draft_tree(self, strategy: Strategy) -> DraftTree:
+    def _draft_tree(self, strategy: Strategy, budget: int | None = None, keep: torch.Tensor | None = None) -> DraftTree:
         """EAGLE-2's dynamic tree: expand the ``width`` best nodes of each level into their ``width`` best
-        children, then keep the ``num_nodes`` best nodes overall by drafted path log-probability.
+        children, then keep the ``budget`` (default ``num_nodes``) best nodes overall by drafted path log-probability.
+        With ``keep`` [B], row b's first ``keep[b]`` nodes are its best ones (a closed subtree: a child always
+        scores below its parent) and the rest follow, for the caller to replace.
 
         Candidates are deterministic given the prefix (point-mass proposals), so :func:`verify_tree`
         stays exact whatever is selected here.
         """
         rows, drafter, device = self.rows, self.drafter, self.device
-        depth, width, budget = strategy.depth, strategy.width, strategy.num_nodes
+        depth, width = strategy.depth, strategy.width
+        budget = budget or strategy.num_nodes
         dstate = rows.draft_state
         batch = rows.seq.shape[0]
         length, pad = rows.state.length, dstate.pad
@@ -446,7 +454,13 @@ class _Rollout:
         levels += [torch.full((batch, width * width), lv + 1, dtype=torch.long, device=device)
                    for lv in range(1, depth)]
         all_depths = torch.cat(levels, dim=1)
-        chosen = all_scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # parents precede children
+        best = all_scores.topk(budget, dim=-1).indices  # best first
+        if keep is not None:  # the kept nodes first (in candidate order), the others after them
+            count = all_scores.shape[1]
+            best = torch.where(torch.arange(budget, device=device)[None] < keep[:, None], best, best + count)
+            chosen = best.sort(dim=-1).values % count
+        else:
+            chosen = best.sort(dim=-1).values  # parents precede children
         node_of = torch.zeros(batch, all_scores.shape[1] + 1, dtype=torch.long, device=device)
         node_of.scatter_(1, chosen + 1, torch.arange(1, budget + 1, device=device).expand(batch, -1))
         parents = node_of.gather(1, all_parents.gather(1, chosen) + 1)
@@ -463,7 +477,7 @@ class _Rollout:
         seconds = self._now() - start
         self.stats.record_step(batch, emitted, drafted, accepted, seconds, strategy.name)
         if self.selector is not None:
-            self.selector.observe(strategy, batch, emitted, seconds)
+            self.selector.observe(strategy, batch, emitted, seconds, accepted)
 
     def _tree_step(self, strategy: Strategy, start: float) -> tuple[int, int, int]:
         rows = self.rows
@@ -507,41 +521,72 @@ class _Rollout:
         return count, batch * nodes, int(verdict.num_accepted.sum())
 
     def _proposal_tree(self, strategy: Strategy) -> DraftTree | None:
-        """The drafter's tree, the history chain, or both (the chain as one more branch from the root);
-        None when history alone has nothing to propose for any row."""
-        if strategy.kind == "history":
-            tokens = self._history_chain(strategy.history)
-            return None if tokens is None else DraftTree.chain(tokens)
-        tree = self._draft_tree(strategy)
-        tokens = self._history_chain(strategy.history) if strategy.history else None
-        if tokens is None:
-            return tree
-        chain = DraftTree.chain(tokens)
-        offset = tree.num_nodes
-        parents = torch.where(chain.parents > 0, chain.parents + offset, 0)
-        return DraftTree(torch.cat([tree.tokens, chain.tokens], 1), torch.cat([tree.parents, parents], 1),
-                         torch.cat([tree.depths, chain.depths], 1))
+        """The drafter's tree, the history chain, or both; None when history alone has nothing to propose.
 
-    def _history_chain(self, k: int) -> torch.Tensor | None:
-        """[B, w] tokens continuing each row from rollout history, w <= k the longest proposal (None if no row has
-        one); shorter proposals repeat their last token (any candidate is exact: the verifier only follows the
-        policy's own draws)."""
-        rows = self.rows
-        ends = (rows.state.length + 1).tolist()  # committed tokens and the pending one
-        pads = rows.state.pad.tolist()
-        seqs = rows.seq[:, : max(ends)].tolist()
-        keys = [self.history_keys[i] for i in rows.index.tolist()]
-        contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
-        proposals = self.history.propose_many(keys, contexts, k)
-        width = max(len(p.tokens) for p in proposals)
-        if width == 0:
-            return None
+        Merged, every row verifies N + K nodes: a row whose history proposes L tokens gets them as one more
+        branch from the root plus its N + K - L best drafted nodes, a row without a match N + K drafted nodes.
+        """
+        if strategy.kind == "history":
+            tokens, lengths = self._history_chain(strategy.history)
+            return None if int(lengths.max()) == 0 else DraftTree.chain(tokens)
+        if not strategy.history:
+            return self._draft_tree(strategy)
+        chain, lengths = self._history_chain(strategy.history, pad_to=strategy.history)
+        budget = strategy.num_nodes + strategy.history
+        keep = budget - lengths
+        tree = self._draft_tree(strategy, budget, keep)
+        node = torch.arange(budget, device=self.device)[None]
+        t = node - keep[:, None]  # position along the history branch, negative on drafted nodes
+        on_chain = t >= 0
+        t = t.clamp(min=0)
+        tokens = torch.where(on_chain, chain.gather(1, t), tree.tokens)
+        parents = torch.where(on_chain, torch.where(t == 0, 0, node), tree.parents)  # node j's previous is j
+        depths = torch.where(on_chain, t + 1, tree.depths)
+        return DraftTree(tokens, parents, depths)
+
+    def _history_proposals(self, k: int) -> list:
+        """This step's history proposals (up to k tokens per row), computed once per step."""
+        step = self.stats.steps
+        if self._proposals is None or self._proposals[0] != step or self._proposals[1] < k:
+            rows = self.rows
+            ends = (rows.state.length + 1).tolist()  # committed tokens and the pending one
+            pads = rows.state.pad.tolist()
+            seqs = rows.seq[:, : max(ends)].tolist()
+            keys = [self.history_keys[i] for i in rows.index.tolist()]
+            contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
+            self._proposals = (step, k, self.history.propose_many(keys, contexts, k), contexts)
+        return self._proposals[2]
+
+    def _history_expected(self, k: int) -> list[float]:
+        """Accepted tokens per row this step's proposals predict for chains of 1..k: the sum over positions of
+        the product of the shares of history that agree with each token so far (the selector calibrates it)."""
+        totals = [0.0] * k
+        for proposal in self._history_proposals(k):
+            survive, expected = 1.0, 0.0
+            conf = proposal.token_confidence
+            for w in range(k):
+                if w < len(conf):
+                    survive *= conf[w]
+                    expected += survive
+                totals[w] += expected
+        batch = max(self.rows.seq.shape[0], 1)
+        return [t / batch for t in totals]
+
+    def _history_chain(self, k: int, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, w] tokens continuing each row from rollout history, [B] proposal lengths): w <= k the longest
+        proposal, or ``pad_to``. Shorter proposals repeat their last token (any candidate is exact: the verifier
+        only follows the policy's own draws)."""
+        proposals = self._history_proposals(k)
+        contexts = self._proposals[3]
+        lengths = [min(len(p.tokens), k) for p in proposals]
+        width = pad_to or max(max(lengths), 1)
         chains = []
-        for context, proposal in zip(contexts, proposals):
-            tokens = proposal.tokens or [context[-1]]
+        for context, proposal, n in zip(contexts, proposals, lengths):
+            tokens = proposal.tokens[:n] or [context[-1]]
             chains.append(tokens + [tokens[-1]] * (width - len(tokens)))
-            self.stats.history_proposed += len(proposal.tokens)
-        return torch.tensor(chains, dtype=torch.long, device=self.device)
+            self.stats.history_proposed += n
+        return (torch.tensor(chains, dtype=torch.long, device=self.device),
+                torch.tensor(lengths, dtype=torch.long, device=self.device))
 
     def _presence_in_tree(self, tree: DraftTree, closure: torch.Tensor) -> torch.Tensor:
         """Presence masks [B, 1+N, V] after each node: history plus the tokens on the path to the node."""
@@ -666,7 +711,11 @@ class _Rollout:
         cap = self.config.max_speculative_batch_size
         if self.config.speculation == "adaptive" and cap is not None and batch > cap:
             return NONE
-        strategy = self.fixed if self.selector is None else self.selector.choose(batch)
+        if self.selector is None:
+            strategy = self.fixed
+        else:
+            expected = self._history_expected(self.history_arm_tokens) if self.history_arm_tokens else None
+            strategy = self.selector.choose(batch, expected)
         if strategy.kind == "chain" and strategy.depth >= remaining:
             return Strategy("chain", depth=remaining - 1, num_nodes=remaining - 1)
         return strategy

@@ -13,12 +13,19 @@ estimated separately because they generalise differently:
 
 Plain decoding has speedup 1 by definition and is always an arm, so speculation is used only
 where it is expected to pay. TLT's table seeds the optimism of the first choices, nothing more.
+
+History proposals cost no compute, so the engine looks at them before choosing: a ``history:K``
+arm is valued from this step's proposals (tokens each row is expected to get accepted, from the
+match statistics, times a calibration learnt from earlier history steps) and cut to the chain
+length that pays best, or skipped when few rows have a match. At large batch, where verifying
+a long chain for every row is dear, history is then used only when most rows have one.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from ..spec.strategy import NONE, Strategy, tlt_prior
 from .costs import CostProfile, selector_bucket
@@ -42,6 +49,10 @@ class StrategySelector:
         self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
         self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
         self.chosen: dict[int, dict[str, int]] = {}
+        # History calibration: (step, tokens accepted, tokens the proposals' match statistics predicted).
+        self.history_calibration_prior = (2.0, 4.0)  # pseudo-counts: accepted, predicted (a 0.5 prior)
+        self.history_outcomes: deque = deque()
+        self._history_prediction: tuple[Strategy, float] | None = None
 
     # --------------------------------------------------------------- estimates
     def _prior(self, strategy: Strategy, batch: int) -> float:
@@ -89,22 +100,61 @@ class StrategySelector:
             return 0.0
         return self.acceptance(strategy, batch, optimism and cost <= self.explore_below) / cost
 
+    def history_calibration(self) -> float:
+        """Tokens accepted per token the match statistics predicted, over the window (history steps only)."""
+        while self.history_outcomes and self.history_outcomes[0][0] <= self.steps - self.window:
+            self.history_outcomes.popleft()
+        accepted, predicted = self.history_calibration_prior
+        accepted += sum(a for _, a, _ in self.history_outcomes)
+        predicted += sum(p for _, _, p in self.history_outcomes)
+        return accepted / predicted
+
+    def history_speedup(self, arm: Strategy, batch: int, expected: Sequence[float]) -> tuple[float, Strategy]:
+        """Best (speedup, chain) for a ``history:K`` arm given this step's proposals: ``expected[w - 1]`` is the
+        tokens per row the proposals predict accepted with a chain of w (before calibration)."""
+        kappa = self.history_calibration()
+        best_value, best = 0.0, arm
+        for w in arm.history_widths:
+            chain = Strategy("history", history=w)
+            cost = self.relative_cost(chain, batch)
+            if not math.isfinite(cost) or w > len(expected):
+                continue
+            value = (1.0 + kappa * expected[w - 1]) / cost
+            if value > best_value:
+                best_value, best = value, chain
+        return best_value, best
+
     # --------------------------------------------------------------- decisions
-    def choose(self, batch: int) -> Strategy:
+    def choose(self, batch: int, history_expected: Sequence[float] | None = None) -> Strategy:
         """The strategy with the best (optimistic) expected speedup, if it beats plain decoding by ``min_speedup``:
         a predicted gain of a few percent is within the noise of the estimates, and plain decoding is the safe bet.
+
+        ``history_expected[w - 1]``: accepted tokens per row this step's history proposals predict for a chain of
+        w; given, it values the ``history:K`` arms instead of their running mean.
         """
         best, best_value = NONE, self.min_speedup
+        self._history_prediction = None
         for strategy in self.strategies:
-            value = self.speedup(strategy, batch, optimism=True)
+            if strategy.kind == "history" and history_expected is not None:
+                value, strategy = self.history_speedup(strategy, batch, history_expected)
+            else:
+                value = self.speedup(strategy, batch, optimism=True)
             if value > best_value:
                 best, best_value = strategy, value
+        if best.kind == "history" and history_expected is not None:
+            self._history_prediction = (best, history_expected[best.history - 1] * batch)
         counts = self.chosen.setdefault(selector_bucket(batch), {})
         counts[best.name] = counts.get(best.name, 0) + 1
         return best
 
-    def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float) -> None:
+    def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float,
+                accepted: int | None = None) -> None:
+        """Learn from a step: tokens emitted (acceptance), its seconds (cost correction) and, after a history
+        step chosen from its proposals, the draft tokens accepted (history calibration)."""
         self.steps += 1
+        prediction, self._history_prediction = self._history_prediction, None
+        if prediction is not None and prediction[0] == strategy and accepted is not None:
+            self.history_outcomes.append((self.steps, accepted, prediction[1]))
         if strategy.kind != "none":
             history = self.observed.get(strategy.name)
             if history is not None:
@@ -128,4 +178,5 @@ class StrategySelector:
             "observed_steps": {s.name: len(self._recent(s)) for s in self.strategies},
             "relative_cost": {b: {s.name: self.relative_cost(s, b) for s in self.strategies} for b in buckets},
             "chosen": {b: dict(c) for b, c in self.chosen.items()},
+            "history_calibration": self.history_calibration(),
         }

@@ -7,8 +7,10 @@
                   verified in one pass with tree attention.
 ``history:K``     up to K tokens continuing the row from rollout history (siblings, earlier steps,
                   its own context): no neural compute at all.
-``tree:DxW:N+history:K``  both in one tree: the history chain is one more branch from the root, and
-                  the verifier follows whichever branch the policy's own draw agrees with.
+``tree:DxW:N+history:K``  both in one tree of N + K nodes per row: a row whose history proposes L tokens
+                  gets them as one more branch from the root plus the N + K - L best drafted nodes; a
+                  row without a match gets N + K drafted nodes. The verifier follows whichever branch
+                  the policy's own draw agrees with.
 
 Names are what users write in ``TLTConfig`` and what the stats report.
 """
@@ -55,6 +57,15 @@ class Strategy:
     def max_emitted(self) -> int:
         return max(self.depth, self.history) + 1
 
+    @property
+    def history_widths(self) -> tuple[int, ...]:
+        """Chain lengths a ``history:K`` step may be cut to (powers of two below K, and K): the engine looks at the
+        step's proposals, which cost nothing, before it pays for verifying them."""
+        if self.kind != "history":
+            return ()
+        return tuple(sorted({1 << i for i in range(self.history.bit_length()) if 1 << i < self.history}
+                            | {self.history}))
+
     def __str__(self) -> str:
         return self.name
 
@@ -75,7 +86,14 @@ def parse_strategy(name: str) -> Strategy:
                 f"Strategy {name!r}: only a tree combines with history, as 'tree:DxW:N+history:K' (a sampled "
                 "chain's q cannot share a verification with point-mass proposals)."
             )
-        return Strategy("tree", tree.depth, tree.width, tree.num_nodes, history=int(history.group(1)))
+        k = int(history.group(1))
+        most = tree.width + (tree.depth - 1) * tree.width * tree.width
+        if tree.num_nodes + k > most:
+            raise ValueError(
+                f"Strategy {name!r}: rows without a history match fill the history branch's {k} slots with drafted "
+                f"nodes, so N + K ({tree.num_nodes + k}) must be at most the drafted nodes ({most} = W + (D-1)*W*W)."
+            )
+        return Strategy("tree", tree.depth, tree.width, tree.num_nodes, history=k)
     if match := _HISTORY.match(text):
         k = int(match.group(1))
         if k < 1:

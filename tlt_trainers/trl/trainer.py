@@ -31,7 +31,8 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from ..drafter.eagle import EagleDrafter
-from ..drafter.trainer import TRAINER_STATE, DrafterTrainer
+from ..drafter.setup import rollout_drafter
+from ..drafter.trainer import TRAINER_STATE
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..spec.sampling import SamplingParams, check_generation_config
@@ -42,7 +43,6 @@ logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"
 RNG_STATE_NAME = "tlt_rng_state_{}.pth"
-DRAFT_VOCAB_THRESHOLD, DEFAULT_DRAFT_VOCAB = 8192, 4096
 
 _VLLM_ERROR = (
     "TLTGRPOTrainer cannot hand its drafter to TRL's vLLM engine: TRL starts vLLM (colocate) or talks to "
@@ -167,32 +167,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_draft_vocab_ready = True
         if self._tlt_config.speculation == "never":
             return
-        fresh = drafter is None and self.tlt_settings.drafter_name_or_path is None
-        head = policy.get_output_embeddings().weight
-        with torch.random.fork_rng(devices=[]):  # the stock run's RNG stream stays untouched
-            torch.manual_seed(int(args.seed))  # identical fresh drafters on every rank
-            if drafter is not None:
-                drafter = drafter.to(device=head.device, dtype=head.dtype).bind(policy)
-            elif self.tlt_settings.drafter_name_or_path is not None:
-                drafter = EagleDrafter.from_pretrained(self.tlt_settings.drafter_name_or_path, target=policy)
-            else:
-                drafter = EagleDrafter.from_target(policy, draft_vocab_size=self._draft_vocab_size(head.shape[0]))
-        drafter.eval()
-        self.drafter = drafter
-        tlt = self.tlt_settings
-        self.drafter_trainer = DrafterTrainer(
-            drafter, policy, lr=tlt.drafter_lr, micro_batch_size=tlt.drafter_micro_batch_size,
-            unroll_steps=tlt.drafter_unroll_steps, buffer_bytes=tlt.drafter_buffer_bytes,
-            seed=int(args.seed) + self.accelerator.process_index,
-        )
-        # A fresh drafter drafts over the most frequent tokens of the first rollouts.
-        self._tlt_draft_vocab_ready = not (fresh and drafter.config.uses_draft_vocab)
-
-    def _draft_vocab_size(self, vocab: int) -> int | None:
-        size = self.tlt_settings.draft_vocab_size
-        if size is None:
-            size = DEFAULT_DRAFT_VOCAB if vocab > DRAFT_VOCAB_THRESHOLD else 0
-        return size if 0 < size < vocab else None
+        # The same fresh drafter on every rank; it drafts over the most frequent tokens of the first rollouts.
+        self.drafter, self.drafter_trainer, self._tlt_draft_vocab_ready = rollout_drafter(
+            policy, self.tlt_settings, int(args.seed), self.accelerator.process_index, drafter)
 
     def _tlt_warn_once(self, key: str, message: str) -> None:
         if key not in self._tlt_warned:

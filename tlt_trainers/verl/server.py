@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..drafter.eagle import EagleDrafter
+from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import DrafterTrainer
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
@@ -100,24 +101,10 @@ class TLTRolloutServer:
         self.steps_since_sync = 0
 
     def _make_drafter(self) -> tuple[EagleDrafter | None, DrafterTrainer | None]:
-        s = self.settings
-        if s.speculation == "never":
+        if self.settings.speculation == "never":
             return None, None
-        torch.manual_seed(s.seed)  # identical fresh drafters on every replica
-        if s.drafter_name_or_path:
-            drafter = EagleDrafter.from_pretrained(s.drafter_name_or_path, target=self.model)
-            self._draft_vocab_ready = True
-        else:
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            size = s.draft_vocab_size
-            if size is None:
-                size = 4096 if vocab > 8192 else None
-            drafter = EagleDrafter.from_target(self.model, draft_vocab_size=size or None)
-            self._draft_vocab_ready = not drafter.config.uses_draft_vocab
-        drafter.eval()
-        trainer = DrafterTrainer(drafter, self.model, lr=s.drafter_lr, micro_batch_size=s.drafter_micro_batch_size,
-                                 unroll_steps=s.drafter_unroll_steps, buffer_bytes=s.drafter_buffer_bytes,
-                                 seed=s.seed + self.replica_rank)
+        drafter, trainer, self._draft_vocab_ready = rollout_drafter(self.model, self.settings, self.settings.seed,
+                                                                    self.replica_rank)
         return drafter, trainer
 
     def _reset_counters(self) -> None:

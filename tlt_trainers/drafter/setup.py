@@ -1,0 +1,52 @@
+"""The rollout's drafter and its trainer, built the same way by the TRL trainer and the veRL rollout server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .eagle import EagleDrafter
+from .trainer import DrafterTrainer
+
+DRAFT_VOCAB_THRESHOLD, DEFAULT_DRAFT_VOCAB = 8192, 4096
+
+
+def draft_vocab_size(requested: int | None, vocab: int) -> int | None:
+    """The drafter's output vocabulary: ``None`` picks 4096 tokens for vocabularies over 8192 (a small head drafts
+    faster and learns the frequent tokens first), 0 or a size >= ``vocab`` the full vocabulary (returned as None)."""
+    size = requested
+    if size is None:
+        size = DEFAULT_DRAFT_VOCAB if vocab > DRAFT_VOCAB_THRESHOLD else 0
+    return size if 0 < size < vocab else None
+
+
+def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
+                    drafter: EagleDrafter | None = None) -> tuple[EagleDrafter, DrafterTrainer, bool]:
+    """(drafter, its trainer, whether its draft vocabulary is ready) for a rollout engine over ``policy``.
+
+    The drafter is ``drafter`` if given, else loaded from ``settings.drafter_name_or_path``, else fresh from the
+    policy, seeded with ``seed`` so that every rank and replica starts from the same one (without touching the
+    caller's RNG stream). A fresh drafter with a reduced vocabulary is not ready: its vocabulary is picked from
+    the most frequent tokens of the first rollouts (``DrafterTrainer.rebuild_draft_vocab``). ``settings`` has
+    TLTGRPOConfig's drafter fields (``drafter_lr``, ``drafter_micro_batch_size``, ...); the trainer's data order
+    is seeded with ``seed + rank``.
+    """
+    head = policy.get_output_embeddings().weight
+    fresh = drafter is None and settings.drafter_name_or_path is None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if drafter is not None:
+            drafter = drafter.to(device=head.device, dtype=head.dtype).bind(policy)
+        elif settings.drafter_name_or_path is not None:
+            drafter = EagleDrafter.from_pretrained(settings.drafter_name_or_path, target=policy)
+        else:
+            size = draft_vocab_size(settings.draft_vocab_size, head.shape[0])
+            drafter = EagleDrafter.from_target(policy, draft_vocab_size=size)
+    drafter.eval()
+    trainer = DrafterTrainer(drafter, policy, lr=settings.drafter_lr,
+                             micro_batch_size=settings.drafter_micro_batch_size,
+                             unroll_steps=settings.drafter_unroll_steps, buffer_bytes=settings.drafter_buffer_bytes,
+                             seed=seed + rank)
+    return drafter, trainer, not (fresh and drafter.config.uses_draft_vocab)
