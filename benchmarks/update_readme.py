@@ -23,7 +23,8 @@ def block(name: str) -> str | None:
         return None
     data = json.loads(path.read_text())
     machine = data.get("machine", {})
-    where = f"{machine.get('cpus')} CPU cores, torch {machine.get('torch')}"
+    cores = machine.get("cpus") or machine.get("threads")
+    where = f"{cores} CPU cores, torch {machine.get('torch')}"
     if machine.get("cuda"):
         where = machine["cuda"]
     parts = [f"`{data['command']}` ({where}; `benchmarks/results/{name}.json`)", ""]
