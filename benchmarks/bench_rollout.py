@@ -36,6 +36,9 @@ Definitions (seconds are wall time of the generate call; per-step times come fro
   Rows only ever leave the batch, so this equals the time of all steps with at most that many rows.
   ``model.generate`` has no per-step trace: only its total time is measured.
 - speedups are ratios of seconds, baseline / engine: >1 means the engine is faster.
+- the *fixed-batch sweep* (``batch_sweep.py``, after each temperature's reps) times adaptive against no-spec at each
+  batch size directly: rows held at a fixed batch size, the two engines back to back, several reps. It is the
+  cleanest answer to "is adaptive slower than plain decoding at any batch size?".
 - *equal-batch* speedups compare an engine's steps with no-spec's plain steps at the same batch sizes (same
   rep); *same clock* ones first rescale them by a speed probe (a fixed forward timed before and after every
   rollout), because this CPU's speed drifts by up to 10-15% between rollouts minutes apart.
@@ -62,6 +65,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from batch_sweep import SWEEP_HEADERS, batch_sweep, sweep_summary  # noqa: E402
 from common import completion_mask, encode, math_prompts, print_table, warm_drafter, write_results  # noqa: E402
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
@@ -108,7 +112,14 @@ def parse_args():
     p.add_argument("--warmup-prompts", type=int, default=96, help="prompts answered for the drafter warm-up")
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary of the warmed-up drafter")
     p.add_argument("--generate-once", action="store_true",
-                   help="time model.generate at the first temperature only (it is the slowest engine by far)")
+                   help="time model.generate in the first rep of the first temperature only (the slowest engine by "
+                        "far); its ratios are then taken against the other engines' same rep")
+    p.add_argument("--sweep-sizes", default="1,2,4,8,16,32,64",
+                   help="batch sizes of the fixed-batch sweep (adaptive vs no-spec, see batch_sweep.py); '' skips it")
+    p.add_argument("--sweep-tokens", type=int, default=24, help="tokens decoded per row in each sweep call")
+    p.add_argument("--sweep-reps", type=int, default=3, help="interleaved sweep repetitions per batch size")
+    p.add_argument("--sweep-prefix", type=int, default=64,
+                   help="sweep rows continue after this many tokens of their own answer in the last timed rollout")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--name", default=None, help="results file name (default bench_rollout or bench_rollout_quick)")
     args = p.parse_args()
@@ -118,6 +129,9 @@ def parse_args():
     args.temperatures = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
                          else [args.temperature])
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.sweep_sizes = [int(b) for b in args.sweep_sizes.split(",") if b.strip()]
+    if args.sweep_sizes and not {"no_spec", "adaptive"} <= set(args.engines):
+        args.sweep_sizes = []  # the sweep compares these two engines
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown:
         p.error(f"unknown engines {unknown}; choose from {ENGINES}")
@@ -371,13 +385,14 @@ def main():
 
     has_trace = False
     raw = []  # one record per (temperature, rep, engine)
+    sweep = []  # one record per (temperature, batch size, rep, engine) of the fixed-batch sweep
     probe = speed_probe(model, ids, mask)
     for temperature in args.temperatures:
         for rep in range(args.reps):
             seed = args.seed + rep
             names = list(engines)
-            if args.generate_once and temperature != args.temperatures[0]:
-                names = [n for n in names if n != "generate"]  # the slowest baseline, measured at one temperature
+            if args.generate_once and (temperature != args.temperatures[0] or rep > 0):
+                names = [n for n in names if n != "generate"]  # the slowest baseline, measured once
             names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order across reps
             outputs = {}
             for name in names:
@@ -410,6 +425,12 @@ def main():
                     same = seqs.shape == outputs["generate"].shape and torch.equal(seqs, outputs["generate"])
                     next(r for r in raw if r["temperature"] == temperature and r["rep"] == rep
                          and r["engine"] == name)["greedy_identical_to_generate"] = same
+        if args.sweep_sizes and "no_spec" in outputs:
+            sweep += batch_sweep(engines["no_spec"], engines["adaptive"], tok, ids, mask, outputs["no_spec"],
+                                 temperature=temperature, sampling=sampling_kwargs(temperature),
+                                 sizes=args.sweep_sizes, new_tokens=args.sweep_tokens, prefix=args.sweep_prefix,
+                                 reps=args.sweep_reps, seed=args.seed + 100,
+                                 log=lambda line: print(line, flush=True))
 
     if not has_trace:
         print("\nNOTE: the engine has no stats.trace yet (per-step batch size/strategy/seconds); per-bucket numbers "
@@ -438,6 +459,13 @@ def main():
                                   "clock", *(f"same clock: {n}" for n in ("all", *EQUAL_BUCKETS, "tail")),
                                   "accept len", "vs no-spec", "tail vs no-spec",
                                   "history tokens proposed", "history MB"], rows_prop)
+    sweep_results, table_sweep = None, None
+    if sweep:
+        sweep_results, rows_sweep = sweep_summary(sweep)
+        print(f"\nFixed-batch sweep: adaptive vs no-spec at each batch size, {args.sweep_tokens} tokens per row from "
+              f"{args.sweep_prefix} tokens into the longest answers, {args.sweep_reps} interleaved reps "
+              "(decode seconds no-spec / adaptive, >1: adaptive faster):")
+        table_sweep = print_table(SWEEP_HEADERS, rows_sweep)
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)
     print("\nCorrectness hints (sampling differs between engines at T>0; shapes and length distributions should "
@@ -447,10 +475,10 @@ def main():
     path = write_results(args.name or ("bench_rollout_quick" if args.quick else "bench_rollout"), {
         "settings": {**vars(args), "batch": batch, "tail_rows": tail_rows, "device": str(device)},
         "drafter_warmup": warm_info, "adaptive_warmup": adaptive_warmup, "engine_has_trace": bool(has_trace),
-        "summary": summary, "raw": raw, "proposers": proposers,
+        "summary": summary, "raw": raw, "proposers": proposers, "sweep": sweep_results, "sweep_raw": sweep,
         "adaptive_state": {name: adaptive_state(engines[name], args.temperatures) for name in learners},
         "tables": {"totals": table_total, "buckets": table_bucket, "lengths": table_len, "checks": table_check,
-                   "proposers": table_prop},
+                   "proposers": table_prop, "sweep": table_sweep},
     })
     print(f"\nwrote {path}")
 
@@ -535,6 +563,13 @@ def proposer_rows(raw):
     return out, rows
 
 
+def paired_ratio(baseline: list[dict], engine: list[dict]) -> float | None:
+    """Median over the reps both ran of baseline seconds / engine seconds (``--generate-once`` times one rep)."""
+    base = {r["rep"]: r["seconds"] for r in baseline}
+    ratios = [base[r["rep"]] / r["seconds"] for r in engine if r["rep"] in base and r["seconds"]]
+    return statistics.median(ratios) if ratios else None
+
+
 def cell(x):
     return "-" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))
 
@@ -588,7 +623,7 @@ def aggregate(args, raw, batch, tail_rows):
             tail = s.get("tail_seconds")
             tail_cell = "-" if tail is None else ("" if s["tail_exact"] else "~") + f"{tail:.3g}"
             tail_tps = ratio(s.get("tail_tokens"), tail)
-            s["speedup_vs_generate"] = ratio(gen["seconds"], s["seconds"]) if gen else None
+            s["speedup_vs_generate"] = paired_ratio(recs["generate"], recs[name]) if gen else None
             s["speedup_vs_no_spec"] = ratio(nos["seconds"], s["seconds"]) if nos else None
             s["tail_speedup_vs_no_spec"] = ratio(nos.get("tail_seconds"), tail) if nos else None
             peak = s.get("peak_cache_bytes")

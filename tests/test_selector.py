@@ -158,7 +158,7 @@ def test_history_arm_is_valued_from_the_steps_own_proposals():
     selector = StrategySelector([arm], history_profile(), exploration=0.0)
     few = [0.1 * min(w, 6) for w in range(1, 9)]  # a tenth of the rows match 6 tokens
     assert selector.choose(64, few) == NONE
-    selector.history_outcomes.append((0, 1000, 1000))  # calibrated: predictions come true
+    selector.history_outcomes.append((0, 64, 1000, 1000))  # calibrated: predictions come true
     everyone = [min(w, 6) * 0.9 for w in range(1, 9)]
     chosen = selector.choose(64, everyone)
     assert chosen.kind == "history" and chosen.history == 4  # 8 costs 3.3 plain steps for 6 tokens at most
@@ -178,3 +178,23 @@ def test_history_calibration_learns_from_what_was_accepted():
     assert selector.history_calibration() < 0.2
     assert selector.choose(64, expected) == NONE
     assert selector.summary()["history_calibration"] == pytest.approx(selector.history_calibration())
+
+
+def test_history_calibration_is_learnt_per_bucket():
+    """Matches that come true in the tail must not keep a large batch verifying chains that mostly fail."""
+    arm = parse_strategy("history:8")
+    selector = StrategySelector([arm], history_profile(), exploration=0.0)
+    expected = [min(w, 4) * 0.9 for w in range(1, 9)]
+    for batch, share in ((1, 1.0), (64, 0.1)):
+        for _ in range(20):
+            chosen = selector.choose(batch, expected)
+            assert chosen.kind == "history"
+            predicted = expected[chosen.history - 1] * batch
+            selector.observe(chosen, batch, batch, selector.profile.step_seconds(chosen, batch),
+                             accepted=round(share * predicted))
+            if selector.choose(batch, expected) == NONE:
+                break
+    assert selector.history_calibration(64) < 0.3 < 0.8 < selector.history_calibration(1)
+    assert selector.choose(64, expected) == NONE
+    assert selector.choose(1, expected).kind == "history"
+    assert set(selector.summary()["history_calibration_by_bucket"]) == {1, 64}

@@ -544,8 +544,8 @@ class _Rollout:
         depths = torch.where(on_chain, t + 1, tree.depths)
         return DraftTree(tokens, parents, depths)
 
-    def _history_proposals(self, k: int) -> list:
-        """This step's history proposals (up to k tokens per row), computed once per step."""
+    def _history_proposals(self, k: int) -> tuple[list, list[list[int]]]:
+        """This step's history proposals (up to k tokens per row) and the rows' contexts, computed once per step."""
         step = self.stats.steps
         if self._proposals is None or self._proposals[0] != step or self._proposals[1] < k:
             rows = self.rows
@@ -555,13 +555,14 @@ class _Rollout:
             keys = [self.history_keys[i] for i in rows.index.tolist()]
             contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
             self._proposals = (step, k, self.history.propose_many(keys, contexts, k), contexts)
-        return self._proposals[2]
+        return self._proposals[2], self._proposals[3]
 
     def _history_expected(self, k: int) -> list[float]:
         """Accepted tokens per row this step's proposals predict for chains of 1..k: the sum over positions of
         the product of the shares of history that agree with each token so far (the selector calibrates it)."""
         totals = [0.0] * k
-        for proposal in self._history_proposals(k):
+        proposals, _ = self._history_proposals(k)
+        for proposal in proposals:
             survive, expected = 1.0, 0.0
             conf = proposal.token_confidence
             for w in range(k):
@@ -576,8 +577,7 @@ class _Rollout:
         """([B, w] tokens continuing each row from rollout history, [B] proposal lengths): w <= k the longest
         proposal, or ``pad_to``. Shorter proposals repeat their last token (any candidate is exact: the verifier
         only follows the policy's own draws)."""
-        proposals = self._history_proposals(k)
-        contexts = self._proposals[3]
+        proposals, contexts = self._history_proposals(k)
         lengths = [min(len(p.tokens), k) for p in proposals]
         width = pad_to or max(max(lengths), 1)
         chains = []

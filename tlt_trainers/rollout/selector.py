@@ -16,7 +16,7 @@ where it is expected to pay. TLT's table seeds the optimism of the first choices
 
 History proposals cost no compute, so the engine looks at them before choosing: a ``history:K``
 arm is valued from this step's proposals (tokens each row is expected to get accepted, from the
-match statistics, times a calibration learnt from earlier history steps) and cut to the chain
+match statistics, times a calibration learnt per bucket from earlier history steps) and cut to the chain
 length that pays best, or skipped when few rows have a match. At large batch, where verifying
 a long chain for every row is dear, history is then used only when most rows have one.
 """
@@ -49,7 +49,7 @@ class StrategySelector:
         self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
         self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
         self.chosen: dict[int, dict[str, int]] = {}
-        # History calibration: (step, tokens accepted, tokens the proposals' match statistics predicted).
+        # History calibration: (step, bucket, tokens accepted, tokens the proposals' match statistics predicted).
         self.history_calibration_prior = (2.0, 4.0)  # pseudo-counts: accepted, predicted (a 0.5 prior)
         self.history_outcomes: deque = deque()
         self._history_prediction: tuple[Strategy, float] | None = None
@@ -100,19 +100,33 @@ class StrategySelector:
             return 0.0
         return self.acceptance(strategy, batch, optimism and cost <= self.explore_below) / cost
 
-    def history_calibration(self) -> float:
-        """Tokens accepted per token the match statistics predicted, over the window (history steps only)."""
+    def history_calibration(self, batch: int | None = None) -> float:
+        """Tokens accepted per token the match statistics predicted, over the window (history steps only).
+
+        With ``batch``, that bucket's own ratio, shrunk toward the overall one (worth ``prior_steps`` of the
+        bucket's steps): matches at large batch (short, diverse contexts early in a rollout) come true less
+        often than in the tail's long, repetitive answers.
+        """
         while self.history_outcomes and self.history_outcomes[0][0] <= self.steps - self.window:
             self.history_outcomes.popleft()
         accepted, predicted = self.history_calibration_prior
-        accepted += sum(a for _, a, _ in self.history_outcomes)
-        predicted += sum(p for _, _, p in self.history_outcomes)
-        return accepted / predicted
+        accepted += sum(a for _, _, a, _ in self.history_outcomes)
+        predicted += sum(p for _, _, _, p in self.history_outcomes)
+        overall = accepted / predicted
+        if batch is None:
+            return overall
+        bucket = selector_bucket(batch)
+        own = [(a, p) for _, b, a, p in self.history_outcomes if b == bucket]
+        own_predicted = sum(p for _, p in own)
+        if own_predicted <= 0:
+            return overall
+        weight = self.prior_steps * own_predicted / len(own)
+        return (sum(a for a, _ in own) + overall * weight) / (own_predicted + weight)
 
     def history_speedup(self, arm: Strategy, batch: int, expected: Sequence[float]) -> tuple[float, Strategy]:
         """Best (speedup, chain) for a ``history:K`` arm given this step's proposals: ``expected[w - 1]`` is the
         tokens per row the proposals predict accepted with a chain of w (before calibration)."""
-        kappa = self.history_calibration()
+        kappa = self.history_calibration(batch)
         best_value, best = 0.0, arm
         for w in arm.history_widths:
             chain = Strategy("history", history=w)
@@ -154,7 +168,7 @@ class StrategySelector:
         self.steps += 1
         prediction, self._history_prediction = self._history_prediction, None
         if prediction is not None and prediction[0] == strategy and accepted is not None:
-            self.history_outcomes.append((self.steps, accepted, prediction[1]))
+            self.history_outcomes.append((self.steps, selector_bucket(batch), accepted, prediction[1]))
         if strategy.kind != "none":
             history = self.observed.get(strategy.name)
             if history is not None:
@@ -179,4 +193,5 @@ class StrategySelector:
             "relative_cost": {b: {s.name: self.relative_cost(s, b) for s in self.strategies} for b in buckets},
             "chosen": {b: dict(c) for b, c in self.chosen.items()},
             "history_calibration": self.history_calibration(),
+            "history_calibration_by_bucket": {b: self.history_calibration(b) for b in buckets},
         }

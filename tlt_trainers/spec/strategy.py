@@ -54,6 +54,11 @@ class Strategy:
         return self.num_nodes + self.history + 1
 
     @property
+    def drafted_candidates(self) -> int:
+        """Nodes a tree's drafter produces (W at the first level, W*W at each later one): the most it can verify."""
+        return self.width + (self.depth - 1) * self.width * self.width if self.kind == "tree" else self.depth
+
+    @property
     def max_emitted(self) -> int:
         return max(self.depth, self.history) + 1
 
@@ -87,7 +92,7 @@ def parse_strategy(name: str) -> Strategy:
                 "chain's q cannot share a verification with point-mass proposals)."
             )
         k = int(history.group(1))
-        most = tree.width + (tree.depth - 1) * tree.width * tree.width
+        most = tree.drafted_candidates
         if tree.num_nodes + k > most:
             raise ValueError(
                 f"Strategy {name!r}: rows without a history match fill the history branch's {k} slots with drafted "
@@ -108,7 +113,7 @@ def parse_strategy(name: str) -> Strategy:
         depth, width, nodes = (int(g) for g in match.groups())
         if depth < 1 or width < 1:
             raise ValueError(f"Strategy {name!r}: depth and width must be >= 1.")
-        most = width + (depth - 1) * width * width
+        most = Strategy("tree", depth=depth, width=width).drafted_candidates
         if not depth <= nodes <= most:
             raise ValueError(
                 f"Strategy {name!r}: the number of verified nodes must be between the depth ({depth}) and the "

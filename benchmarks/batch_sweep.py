@@ -1,0 +1,139 @@
+"""Fixed-batch sweep: the adaptive engine against no-speculation at each batch size, interleaved in one process.
+
+A rollout's per-bucket ratios compare different samples taken minutes apart, on a CPU whose speed drifts by
+10-15% over minutes. This sweep asks the question "is adaptive ever slower than plain decoding at batch size b?"
+directly: for each b, the b rows of the timed rollout that ran longest continue from ``prefix`` tokens into their
+own answers (a realistic mid-rollout context) for exactly ``new_tokens`` tokens (EOS ignored, so every row stays
+active and the batch size is b at every step), with no-spec and adaptive timed back to back, alternating which goes
+first, ``reps`` times with shared seeds. The ratio is no-spec decode seconds / adaptive decode seconds (prefill,
+identical work in both, excluded; wall ratios are kept too).
+
+The adaptive engine keeps what it learnt in the rollouts (costs, acceptance, history). Its history index is reset
+to the rollouts' before every call, so the sweep's own continuations neither help later calls nor leak into later
+rollouts.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def sweep_contexts(ids, mask, reference, tok, prefix: int) -> tuple[list[list[int]], list[tuple], list[int]]:
+    """(contexts, history keys, completion lengths) per rollout row: the prompt plus the first ``prefix`` tokens
+    of the row's completion in ``reference`` (stopping before its EOS); keys are the prompts, as in the rollout."""
+    prompt_len = ids.shape[1]
+    contexts, keys, lengths = [], [], []
+    for row in range(ids.shape[0]):
+        prompt = ids[row][mask[row].bool()].tolist()
+        completion = reference[row, prompt_len:].tolist()
+        length = next((i + 1 for i, t in enumerate(completion) if t in (tok.eos_token_id, tok.pad_token_id)),
+                      len(completion))
+        contexts.append(prompt + completion[: max(0, min(prefix, length - 1))])
+        keys.append(tuple(prompt))
+        lengths.append(length)
+    return contexts, keys, lengths
+
+
+def left_pad(contexts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, context in enumerate(contexts):
+        ids[i, width - len(context):] = torch.tensor(context)
+        mask[i, width - len(context):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _timed_call(engine, ids, mask, keys, new_tokens, sampling: dict, seed: int, pad_token_id: int):
+    start = time.perf_counter()
+    res = engine.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
+                          pad_token_id=pad_token_id, generator=torch.Generator().manual_seed(seed),
+                          history_keys=keys, **sampling)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
+    return time.perf_counter() - start, res.stats
+
+
+def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: float, sampling: dict,
+                sizes=SWEEP_SIZES, new_tokens: int = 24, prefix: int = 64, reps: int = 3, seed: int = 100,
+                log=print) -> list[dict]:
+    """One record per (batch size, rep, engine); see the module docstring."""
+    contexts, keys, lengths = sweep_contexts(ids, mask, reference, tok, prefix)
+    order = sorted(range(len(contexts)), key=lambda r: -lengths[r])  # the tail's rows are the longest answers
+    snapshot = copy.deepcopy(adaptive.history) if adaptive.history is not None else None
+    records = []
+    for size in [s for s in sizes if s <= len(contexts)]:
+        rows = order[:size]
+        s_ids, s_mask = left_pad([contexts[r] for r in rows], tok.pad_token_id, ids.device)
+        s_keys = [keys[r] for r in rows]
+        for rep in range(reps):
+            names = ("no_spec", "adaptive") if rep % 2 == 0 else ("adaptive", "no_spec")
+            for name in names:
+                engine = no_spec if name == "no_spec" else adaptive
+                if name == "adaptive" and snapshot is not None:
+                    adaptive.history = copy.deepcopy(snapshot)
+                seconds, stats = _timed_call(engine, s_ids, s_mask, s_keys, new_tokens, sampling, seed + rep,
+                                             tok.pad_token_id)
+                chosen = Counter()
+                for per_bucket in stats.strategies.values():
+                    chosen.update(per_bucket)
+                records.append({"temperature": temperature, "batch": size, "rep": rep, "engine": name,
+                                "seconds": seconds, "decode_seconds": stats.total_seconds - stats.prefill_seconds,
+                                "tokens": stats.generated_tokens, "steps": stats.steps,
+                                "acceptance_length": stats.acceptance_length, "strategies": dict(chosen)})
+        mine = [r for r in records if r["batch"] == size]
+        ratios = sweep_ratios(mine)
+        log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed per rep "
+            f"{', '.join(f'{x:.3f}' for x in ratios)}")
+    if snapshot is not None:
+        adaptive.history = snapshot
+    return records
+
+
+def sweep_ratios(records: list[dict], key: str = "decode_seconds") -> list[float]:
+    """Per rep: no-spec seconds / adaptive seconds (>1: adaptive faster)."""
+    by_rep = {}
+    for r in records:
+        by_rep.setdefault(r["rep"], {})[r["engine"]] = r[key]
+    return [v["no_spec"] / v["adaptive"] for _, v in sorted(by_rep.items()) if "no_spec" in v and "adaptive" in v]
+
+
+def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
+    """Per (temperature, batch): median and range of the ratios, adaptive's strategies and acceptance."""
+    summary, rows = {}, []
+    for temperature in sorted({r["temperature"] for r in records}, reverse=True):
+        for size in sorted({r["batch"] for r in records if r["temperature"] == temperature}):
+            mine = [r for r in records if r["temperature"] == temperature and r["batch"] == size]
+            decode, wall = sweep_ratios(mine), sweep_ratios(mine, "seconds")
+            adaptive = [r for r in mine if r["engine"] == "adaptive"]
+            plain = [r for r in mine if r["engine"] == "no_spec"]
+            chosen = Counter()
+            for r in adaptive:
+                chosen.update(r["strategies"])
+            total = sum(chosen.values()) or 1
+            entry = {
+                "decode_speedup_median": statistics.median(decode), "decode_speedup_min": min(decode),
+                "decode_speedup_max": max(decode), "decode_speedups": decode,
+                "wall_speedup_median": statistics.median(wall),
+                "no_spec_step_seconds": statistics.median(r["decode_seconds"] / max(r["steps"], 1) for r in plain),
+                "acceptance_length": statistics.mean(r["acceptance_length"] for r in adaptive),
+                "strategies": dict(chosen.most_common()),
+            }
+            summary.setdefault(str(temperature), {})[str(size)] = entry
+            top = ", ".join(f"{k} {v / total:.0%}" for k, v in chosen.most_common(3))
+            rows.append([temperature, size, f"{entry['decode_speedup_median']:.3f}",
+                         f"{entry['decode_speedup_min']:.3f}-{entry['decode_speedup_max']:.3f}",
+                         f"{entry['wall_speedup_median']:.3f}", f"{entry['no_spec_step_seconds'] * 1000:.0f}",
+                         f"{entry['acceptance_length']:.2f}", top])
+    return summary, rows
+
+
+SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (median)", "range over reps", "wall ratio", "no-spec ms/step",
+                 "accept len", "adaptive strategies"]
