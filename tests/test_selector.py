@@ -116,7 +116,7 @@ def test_adaptive_engine_profiles_once_and_stays_exact():
 
 
 def test_a_gain_within_the_noise_is_not_taken():
-    """Predicted speedup 1.03: below the default margin of 5% plain decoding stays; without a margin it is taken."""
+    """Predicted speedup 1.03: below a margin of 5% plain decoding stays; without a margin it is taken."""
     profile = CostProfile()
     profile.verify.update({(1, 1): 0.010, (1, 5): 0.0145})
     profile.draft.update({(1, 1): 0.0})
@@ -198,3 +198,20 @@ def test_history_calibration_is_learnt_per_bucket():
     assert selector.choose(64, expected) == NONE
     assert selector.choose(1, expected).kind == "history"
     assert set(selector.summary()["history_calibration_by_bucket"]) == {1, 64}
+
+
+def test_speculation_never_looks_cheaper_than_a_plain_step():
+    """Noisy step times once corrected a chain's cost below a plain step's; a step that verifies more tokens
+    cannot be cheaper, and the default margin matches TLTConfig's."""
+    arm = parse_strategy("chain:2")
+    profile = CostProfile()
+    profile.verify.update({(4, 1): 0.010, (4, 3): 0.015})
+    profile.draft.update({(4, 1): 0.001})
+    selector = StrategySelector([arm], profile, exploration=0.0)
+    assert selector.min_speedup == TLTConfig().min_speedup
+    plain = selector.profile.step_seconds(NONE, 4)
+    for _ in range(10):  # plain steps measured slow (drift), chain steps fast
+        selector.observe(NONE, 4, 4, 2.0 * plain)
+        selector.observe(arm, 4, 4, 0.5 * selector.profile.step_seconds(arm, 4))
+    assert selector.relative_cost(arm, 4) == 1.0
+    assert selector.relative_cost(NONE, 4) == 1.0

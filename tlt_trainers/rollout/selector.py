@@ -34,7 +34,7 @@ from .costs import CostProfile, selector_bucket
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
-                 explore_below: float = 1.3, min_speedup: float = 1.05, bucket_weight: float = 8.0):
+                 explore_below: float = 1.3, min_speedup: float = 1.15, bucket_weight: float = 8.0):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
@@ -88,7 +88,10 @@ class StrategySelector:
         return predicted * self.correction.get((selector_bucket(batch), strategy.name), 1.0)
 
     def relative_cost(self, strategy: Strategy, batch: int) -> float:
-        return self.step_seconds(strategy, batch) / self.step_seconds(NONE, batch)
+        """Seconds of a step with ``strategy`` per plain step at this batch size: at least 1 for any speculation,
+        which verifies more tokens than a plain step (noisy corrections once made a chain look cheaper)."""
+        ratio = self.step_seconds(strategy, batch) / self.step_seconds(NONE, batch)
+        return ratio if strategy.kind == "none" else max(ratio, 1.0)
 
     def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
         """Expected speedup over plain decoding. Exploration is optimistic only where a wrong guess is cheap
