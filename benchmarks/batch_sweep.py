@@ -21,6 +21,7 @@ import time
 from collections import Counter
 
 import torch
+from common import completion_mask
 
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -29,15 +30,13 @@ def sweep_contexts(ids, mask, reference, tok, prefix: int) -> tuple[list[list[in
     """(contexts, history keys, completion lengths) per rollout row: the prompt plus the first ``prefix`` tokens
     of the row's completion in ``reference`` (stopping before its EOS); keys are the prompts, as in the rollout."""
     prompt_len = ids.shape[1]
-    contexts, keys, lengths = [], [], []
-    for row in range(ids.shape[0]):
+    lengths = completion_mask(reference, prompt_len, tok.pad_token_id, tok.eos_token_id).sum(dim=1).tolist()
+    contexts, keys = [], []
+    for row, length in enumerate(lengths):
         prompt = ids[row][mask[row].bool()].tolist()
         completion = reference[row, prompt_len:].tolist()
-        length = next((i + 1 for i, t in enumerate(completion) if t in (tok.eos_token_id, tok.pad_token_id)),
-                      len(completion))
         contexts.append(prompt + completion[: max(0, min(prefix, length - 1))])
         keys.append(tuple(prompt))
-        lengths.append(length)
     return contexts, keys, lengths
 
 
