@@ -80,13 +80,14 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
                     adaptive.history = copy.deepcopy(snapshot)
                 seconds, stats = _timed_call(engine, s_ids, s_mask, s_keys, new_tokens, sampling, seed + rep,
                                              tok.pad_token_id)
-                chosen = Counter()
-                for per_bucket in stats.strategies.values():
-                    chosen.update(per_bucket)
+                chosen = count_strategies(stats.strategies.values())
                 records.append({"temperature": temperature, "batch": size, "rep": rep, "engine": name,
                                 "seconds": seconds, "decode_seconds": stats.total_seconds - stats.prefill_seconds,
                                 "tokens": stats.generated_tokens, "steps": stats.steps,
-                                "acceptance_length": stats.acceptance_length, "strategies": dict(chosen)})
+                                "acceptance_length": stats.acceptance_length, "strategies": dict(chosen),
+                                # robust to the CPU's bursts of slowness, which a total over 16 steps is not
+                                "median_step_seconds": statistics.median(r.seconds for r in stats.trace)
+                                if stats.trace else None})
         mine = [r for r in records if r["batch"] == size]
         ratios = sweep_ratios(mine)
         log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed per rep "
@@ -94,6 +95,14 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
     if snapshot is not None:
         adaptive.history = snapshot
     return records
+
+
+def count_strategies(counts) -> Counter:
+    """Steps per strategy, summed over per-bucket (or per-record) {strategy: steps} mappings."""
+    total = Counter()
+    for per_strategy in counts:
+        total.update(per_strategy)
+    return total
 
 
 def sweep_ratios(records: list[dict], key: str = "decode_seconds") -> list[float]:
@@ -113,9 +122,7 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             decode, wall = sweep_ratios(mine), sweep_ratios(mine, "seconds")
             adaptive = [r for r in mine if r["engine"] == "adaptive"]
             plain = [r for r in mine if r["engine"] == "no_spec"]
-            chosen = Counter()
-            for r in adaptive:
-                chosen.update(r["strategies"])
+            chosen = count_strategies(r["strategies"] for r in adaptive)
             total = sum(chosen.values()) or 1
             entry = {
                 "decode_speedup_median": statistics.median(decode), "decode_speedup_min": min(decode),
