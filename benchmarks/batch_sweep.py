@@ -5,12 +5,16 @@ A rollout's per-bucket ratios compare different samples taken minutes apart, on 
 directly: for each b, the b rows of the timed rollout that ran longest continue from ``prefix`` tokens into their
 own answers (a realistic mid-rollout context) for exactly ``new_tokens`` tokens (EOS ignored, so every row stays
 active and the batch size is b at every step), with no-spec and adaptive timed back to back, alternating which goes
-first, ``reps`` times with shared seeds. The ratio is no-spec decode seconds / adaptive decode seconds (prefill,
-identical work in both, excluded; wall ratios are kept too).
+first, ``reps`` times with shared seeds. Decode seconds exclude the prefill (identical work in both).
+
+The headline ratio is best-of-reps: each engine's fastest decode over the reps, no-spec's / adaptive's. This CPU's
+noise is one-sided (bursts of slowness of up to 2x within a minute, identical calls 0.80-1.08x apart), so the
+fastest rep is the least disturbed one, the rule ``timeit`` follows. The per-rep paired ratios are kept beside it.
 
 The adaptive engine keeps what it learnt in the rollouts (costs, acceptance, history). Its history index is reset
-to the rollouts' before every call, so the sweep's own continuations neither help later calls nor leak into later
-rollouts.
+to the rollouts' before every call, minus the replayed rows' own answers: a row continuing its own answer would
+otherwise find its future in the history (64 matched tokens, a confident proposal) which no real rollout can. The
+siblings' answers stay. So the sweep's own continuations neither help later calls nor leak into later rollouts.
 """
 
 from __future__ import annotations
@@ -72,12 +76,16 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
         rows = order[:size]
         s_ids, s_mask = left_pad([contexts[r] for r in rows], tok.pad_token_id, ids.device)
         s_keys = [keys[r] for r in rows]
+        replay_history, discarded = None, 0
+        if snapshot is not None:
+            replay_history = copy.deepcopy(snapshot)
+            discarded = sum(replay_history.discard(keys[r], contexts[r]) for r in rows)
         for rep in range(reps):
             names = ("no_spec", "adaptive") if rep % 2 == 0 else ("adaptive", "no_spec")
             for name in names:
                 engine = no_spec if name == "no_spec" else adaptive
-                if name == "adaptive" and snapshot is not None:
-                    adaptive.history = copy.deepcopy(snapshot)
+                if name == "adaptive" and replay_history is not None:
+                    adaptive.history = copy.deepcopy(replay_history)
                 seconds, stats = _timed_call(engine, s_ids, s_mask, s_keys, new_tokens, sampling, seed + rep,
                                              tok.pad_token_id)
                 chosen = count_strategies(stats.strategies.values())
@@ -85,13 +93,13 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
                                 "seconds": seconds, "decode_seconds": stats.total_seconds - stats.prefill_seconds,
                                 "tokens": stats.generated_tokens, "steps": stats.steps,
                                 "acceptance_length": stats.acceptance_length, "strategies": dict(chosen),
+                                "own_answers_discarded": discarded if name == "adaptive" else 0,
                                 # robust to the CPU's bursts of slowness, which a total over 16 steps is not
                                 "median_step_seconds": statistics.median(r.seconds for r in stats.trace)
                                 if stats.trace else None})
         mine = [r for r in records if r["batch"] == size]
-        ratios = sweep_ratios(mine)
-        log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed per rep "
-            f"{', '.join(f'{x:.3f}' for x in ratios)}")
+        log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed best-of-{reps} "
+            f"{best_of_reps_ratio(mine):.3f}, per rep {', '.join(f'{x:.3f}' for x in sweep_ratios(mine))}")
     if snapshot is not None:
         adaptive.history = snapshot
     return records
@@ -113,8 +121,15 @@ def sweep_ratios(records: list[dict], key: str = "decode_seconds") -> list[float
     return [v["no_spec"] / v["adaptive"] for _, v in sorted(by_rep.items()) if "no_spec" in v and "adaptive" in v]
 
 
+def best_of_reps_ratio(records: list[dict], key: str = "decode_seconds") -> float:
+    """No-spec's fastest rep / adaptive's fastest rep (>1: adaptive faster); see the module docstring."""
+    fastest = {name: min(r[key] for r in records if r["engine"] == name) for name in ("no_spec", "adaptive")}
+    return fastest["no_spec"] / fastest["adaptive"]
+
+
 def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
-    """Per (temperature, batch): median and range of the ratios, adaptive's strategies and acceptance."""
+    """Per (temperature, batch): the best-of-reps ratio, the per-rep ratios' median and range, adaptive's
+    strategies and acceptance."""
     summary, rows = {}, []
     for temperature in sorted({r["temperature"] for r in records}, reverse=True):
         for size in sorted({r["batch"] for r in records if r["temperature"] == temperature}):
@@ -125,6 +140,7 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             chosen = count_strategies(r["strategies"] for r in adaptive)
             total = sum(chosen.values()) or 1
             entry = {
+                "decode_speedup_best_of_reps": best_of_reps_ratio(mine),
                 "decode_speedup_median": statistics.median(decode), "decode_speedup_min": min(decode),
                 "decode_speedup_max": max(decode), "decode_speedups": decode,
                 "wall_speedup_median": statistics.median(wall),
@@ -134,12 +150,13 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             }
             summary.setdefault(str(temperature), {})[str(size)] = entry
             top = ", ".join(f"{k} {v / total:.0%}" for k, v in chosen.most_common(3))
-            rows.append([temperature, size, f"{entry['decode_speedup_median']:.3f}",
+            rows.append([temperature, size, f"{entry['decode_speedup_best_of_reps']:.3f}",
+                         f"{entry['decode_speedup_median']:.3f}",
                          f"{entry['decode_speedup_min']:.3f}-{entry['decode_speedup_max']:.3f}",
                          f"{entry['wall_speedup_median']:.3f}", f"{entry['no_spec_step_seconds'] * 1000:.0f}",
                          f"{entry['acceptance_length']:.2f}", top])
     return summary, rows
 
 
-SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (median)", "range over reps", "wall ratio", "no-spec ms/step",
-                 "accept len", "adaptive strategies"]
+SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (best of reps)", "per rep: median", "per rep: range", "wall ratio",
+                 "no-spec ms/step", "accept len", "adaptive strategies"]

@@ -179,6 +179,19 @@ def test_eviction_by_steps_frees_memory():
     assert not index._groups  # the group's trie is gone too
 
 
+def test_discard_forgets_only_the_sequences_with_that_prefix():
+    index = HistoryIndex(search_context=False)
+    index.add("g", [1, 2, 3, 7, 8])  # the replayed row's own answer
+    index.add("g", [1, 2, 4, 5, 6])  # a sibling
+    index.add("h", [1, 2, 3, 9, 9])  # another prompt
+    before = index.nbytes()
+    assert index.discard("g", [1, 2, 3]) == 1
+    assert index.num_tokens == 10 and index.nbytes() < before
+    assert index.propose("g", [1, 2], 3).tokens == [4, 5, 6]  # only the sibling is left
+    assert index.propose("h", [2, 3], 2).tokens == [9, 9]
+    assert index.discard("g", [1, 2, 3]) == 0
+
+
 def test_eviction_by_max_tokens_keeps_memory_bounded():
     index = HistoryIndex(max_tokens=250)
     sizes = []

@@ -137,5 +137,17 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
 
                 run_draft()
                 profile.draft[(batch, width)] = min(_timed(run_draft, sync) for _ in range(repeats))
+    profile.verify = monotone_envelope(profile.verify)
+    profile.draft = monotone_envelope(profile.draft)
     profile.seconds_spent += time.perf_counter() - begin
     return profile
+
+
+def monotone_envelope(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Each (batch, tokens) entry capped by the cheapest entry with at least as many rows and tokens.
+
+    More rows or more tokens per row is never less work, so an entry above a larger one's was timed in a burst
+    of slowness (a busy CPU's noise is one-sided). Left as measured, such a spike at (4, 1) made every
+    speculative strategy at batch 4 look cheap relative to plain decoding, and the engine speculated at a loss.
+    """
+    return {(b, q): min(s for (b2, q2), s in table.items() if b2 >= b and q2 >= q) for (b, q) in table}

@@ -204,6 +204,18 @@ class HistoryIndex:
         for pos in range(self.min_match, len(toks)):
             self._insert(root, uid, toks, pos)
 
+    def discard(self, key: Hashable, prefix: Sequence[int]) -> int:
+        """Forget the sequences of ``key`` that begin with ``prefix``; returns how many.
+
+        For replaying a row whose answer is already indexed (a benchmark continuing a finished rollout): left in,
+        the row would find its own future in the history, which no real rollout can.
+        """
+        head = _as_tokens(prefix, "prefix")
+        doomed = [uid for uid, seq in self._seqs.items() if seq.key == key and seq.tokens[: len(head)] == head]
+        for uid in doomed:
+            self._evict(uid)
+        return len(doomed)
+
     def new_step(self) -> None:
         """Mark an RL step boundary: sequences added ``keep_steps`` or more steps ago are evicted."""
         self._step += 1

@@ -1,0 +1,57 @@
+"""The benchmark's fixed-batch sweep (``benchmarks/batch_sweep.py``) on a tiny model: the replayed rows' own answers
+are kept out of the adaptive engine's history, and the best-of-reps statistic reads the fastest rep of each engine."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import EOS, PAD, padded_prompts, tiny_model
+
+from tlt_trainers import SpeculativeGenerator, TLTConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from batch_sweep import batch_sweep, best_of_reps_ratio, sweep_contexts, sweep_summary  # noqa: E402
+
+
+def record(rep, engine, seconds, batch=4, temperature=1.0):
+    return {"temperature": temperature, "batch": batch, "rep": rep, "engine": engine, "seconds": seconds + 1,
+            "decode_seconds": seconds, "steps": 10, "acceptance_length": 1.0, "strategies": {"none": 10}}
+
+
+def test_best_of_reps_reads_each_engines_fastest_rep():
+    # rep 1's no-spec call hit a burst of slowness; adaptive's fastest rep is rep 0
+    records = [record(0, "no_spec", 1.0), record(0, "adaptive", 1.02), record(1, "no_spec", 1.5),
+               record(1, "adaptive", 1.1)]
+    assert best_of_reps_ratio(records) == pytest.approx(1.0 / 1.02)
+    summary, rows = sweep_summary(records)
+    entry = summary["1.0"]["4"]
+    assert entry["decode_speedup_best_of_reps"] == pytest.approx(1.0 / 1.02)
+    assert entry["decode_speedups"] == pytest.approx([1.0 / 1.02, 1.5 / 1.1])
+    assert rows[0][2] == "0.980"
+
+
+def test_sweep_replays_rows_without_their_own_answers_in_the_history():
+    model = tiny_model("llama", logit_scale=4.0)
+    tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
+    ids, mask = padded_prompts([5, 3, 5, 3], seed=3)
+    ids[2], mask[2], ids[3], mask[3] = ids[0], mask[0], ids[1], mask[1]  # two prompts, two samples each
+    keys = [tuple(ids[r][mask[r].bool()].tolist()) for r in range(4)]
+    no_spec = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    adaptive = SpeculativeGenerator(model, None, TLTConfig(speculation="adaptive"))
+    reference = adaptive.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD,
+                                  do_sample=True, generator=torch.Generator().manual_seed(0), history_keys=keys)
+    snapshot_tokens = adaptive.history.num_tokens
+    assert snapshot_tokens > 0
+    records = batch_sweep(no_spec, adaptive, tok, ids, mask, reference.sequences, temperature=1.0,
+                          sampling={"do_sample": True}, sizes=(1, 4), new_tokens=4, prefix=6, reps=2,
+                          log=lambda *_: None)
+    assert {(r["batch"], r["engine"]) for r in records} == {(b, e) for b in (1, 4) for e in ("no_spec", "adaptive")}
+    discarded = {r["batch"]: r["own_answers_discarded"] for r in records if r["engine"] == "adaptive"}
+    assert discarded == {1: 1, 4: 4}  # each replayed row's own answer, not its sibling's
+    assert all(r["tokens"] == r["batch"] * 4 for r in records)  # EOS ignored: the batch stays full
+    assert adaptive.history.num_tokens == snapshot_tokens  # the rollout's history is restored afterwards
+    contexts, _, lengths = sweep_contexts(ids, mask, reference.sequences, tok, prefix=6)
+    for context, length, m in zip(contexts, lengths, mask):  # prompt + up to 6 tokens, stopping before an EOS
+        assert len(context) == int(m.sum()) + min(6, length - 1)
