@@ -7,9 +7,13 @@ own answers (a realistic mid-rollout context) for exactly ``new_tokens`` tokens 
 active and the batch size is b at every step), with no-spec and adaptive timed back to back, alternating which goes
 first, ``reps`` times with shared seeds. Decode seconds exclude the prefill (identical work in both).
 
-The headline ratio is best-of-reps: each engine's fastest decode over the reps, no-spec's / adaptive's. This CPU's
-noise is one-sided (bursts of slowness of up to 2x within a minute, identical calls 0.80-1.08x apart), so the
-fastest rep is the least disturbed one, the rule ``timeit`` follows. The per-rep paired ratios are kept beside it.
+This CPU's noise is one-sided (bursts of slowness of up to 2x within a minute; identical calls 0.80-1.08x apart)
+and a burst lasts seconds, so even the fastest of three 12-second calls is often hit. The headline ratio therefore
+counts each call's steps at their strategy's median step time (``typical_decode_seconds``; time outside steps is
+added as measured) and pools the reps: no-spec's total over adaptive's. Pooling, not the fastest rep, because
+adaptive's time also varies with what its drafts happen to get accepted: a best-of-reps ratio picks its luckiest call
+(at batch 1, one call with a 9-token history acceptance read 2.4x while the other two read 0.74x). Beside it:
+best-of-reps on the raw decode seconds (the rule ``timeit`` follows) and the per-rep paired ratios.
 
 The adaptive engine keeps what it learnt in the rollouts (costs, acceptance, history). Its history index is reset
 to the rollouts' before every call, minus the replayed rows' own answers: a row continuing its own answer would
@@ -94,12 +98,16 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
                                 "tokens": stats.generated_tokens, "steps": stats.steps,
                                 "acceptance_length": stats.acceptance_length, "strategies": dict(chosen),
                                 "own_answers_discarded": discarded if name == "adaptive" else 0,
-                                # robust to the CPU's bursts of slowness, which a total over 16 steps is not
                                 "median_step_seconds": statistics.median(r.seconds for r in stats.trace)
-                                if stats.trace else None})
+                                if stats.trace else None,
+                                "typical_decode_seconds": typical_decode_seconds(stats),
+                                "outside_step_seconds": stats.total_seconds - stats.prefill_seconds
+                                - sum(r.seconds for r in stats.trace),
+                                "trace": [[r.strategy, r.emitted, r.seconds] for r in stats.trace]})
         mine = [r for r in records if r["batch"] == size]
-        log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed best-of-{reps} "
-            f"{best_of_reps_ratio(mine):.3f}, per rep {', '.join(f'{x:.3f}' for x in sweep_ratios(mine))}")
+        log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed: typical steps "
+            f"{pooled_ratio(mine):.3f}, best-of-{reps} {best_of_reps_ratio(mine):.3f}, "
+            f"per rep {', '.join(f'{x:.3f}' for x in sweep_ratios(mine))}")
     if snapshot is not None:
         adaptive.history = snapshot
     return records
@@ -121,6 +129,27 @@ def sweep_ratios(records: list[dict], key: str = "decode_seconds") -> list[float
     return [v["no_spec"] / v["adaptive"] for _, v in sorted(by_rep.items()) if "no_spec" in v and "adaptive" in v]
 
 
+def typical_decode_seconds(stats) -> float:
+    """Decode seconds at the machine's typical speed: each strategy's steps counted at that strategy's median step
+    time, plus the measured time spent outside steps (choosing, history proposals), which stays visible.
+
+    A burst of slowness hits a few steps of a call; the median step of each strategy does not see it, so this
+    compares what the engines chose to do rather than when the CPU stalled.
+    """
+    by_strategy: dict[str, list[float]] = {}
+    for step in stats.trace:
+        by_strategy.setdefault(step.strategy, []).append(step.seconds)
+    in_steps = sum(sum(times) for times in by_strategy.values())
+    outside = max(stats.total_seconds - stats.prefill_seconds - in_steps, 0.0)
+    return sum(len(times) * statistics.median(times) for times in by_strategy.values()) + outside
+
+
+def pooled_ratio(records: list[dict], key: str = "typical_decode_seconds") -> float:
+    """No-spec's total over the reps / adaptive's (>1: adaptive faster)."""
+    total = {name: sum(r[key] for r in records if r["engine"] == name) for name in ("no_spec", "adaptive")}
+    return total["no_spec"] / total["adaptive"]
+
+
 def best_of_reps_ratio(records: list[dict], key: str = "decode_seconds") -> float:
     """No-spec's fastest rep / adaptive's fastest rep (>1: adaptive faster); see the module docstring."""
     fastest = {name: min(r[key] for r in records if r["engine"] == name) for name in ("no_spec", "adaptive")}
@@ -128,8 +157,8 @@ def best_of_reps_ratio(records: list[dict], key: str = "decode_seconds") -> floa
 
 
 def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
-    """Per (temperature, batch): the best-of-reps ratio, the per-rep ratios' median and range, adaptive's
-    strategies and acceptance."""
+    """Per (temperature, batch): the pooled typical-step ratio (the headline), the best-of-reps ratio, the per-rep
+    ratios' median and range, adaptive's strategies and acceptance."""
     summary, rows = {}, []
     for temperature in sorted({r["temperature"] for r in records}, reverse=True):
         for size in sorted({r["batch"] for r in records if r["temperature"] == temperature}):
@@ -140,6 +169,7 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             chosen = count_strategies(r["strategies"] for r in adaptive)
             total = sum(chosen.values()) or 1
             entry = {
+                "decode_speedup_typical": pooled_ratio(mine),
                 "decode_speedup_best_of_reps": best_of_reps_ratio(mine),
                 "decode_speedup_median": statistics.median(decode), "decode_speedup_min": min(decode),
                 "decode_speedup_max": max(decode), "decode_speedups": decode,
@@ -150,7 +180,8 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             }
             summary.setdefault(str(temperature), {})[str(size)] = entry
             top = ", ".join(f"{k} {v / total:.0%}" for k, v in chosen.most_common(3))
-            rows.append([temperature, size, f"{entry['decode_speedup_best_of_reps']:.3f}",
+            rows.append([temperature, size, f"{entry['decode_speedup_typical']:.3f}",
+                         f"{entry['decode_speedup_best_of_reps']:.3f}",
                          f"{entry['decode_speedup_median']:.3f}",
                          f"{entry['decode_speedup_min']:.3f}-{entry['decode_speedup_max']:.3f}",
                          f"{entry['wall_speedup_median']:.3f}", f"{entry['no_spec_step_seconds'] * 1000:.0f}",
@@ -158,5 +189,5 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
     return summary, rows
 
 
-SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (best of reps)", "per rep: median", "per rep: range", "wall ratio",
-                 "no-spec ms/step", "accept len", "adaptive strategies"]
+SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (typical steps)", "best of reps", "per rep: median",
+                 "per rep: range", "wall ratio", "no-spec ms/step", "accept len", "adaptive strategies"]

@@ -377,8 +377,7 @@ def main():
                                         "temperature": temperature,
                                         "acceptance_length": getattr(w_stats, "acceptance_length", None)})
                 print(f"{name} engine warmed up (untimed) at T={temperature}: one rollout of {w_ids.shape[0]} "
-                      f"sequences on other prompts ({overlap} shared with the timed ones) in {w_seconds:.1f}s "
-                      f"(includes the one-off cost profile: {engines[name].cost_profile.seconds_spent:.1f}s)",
+                      f"sequences on other prompts ({overlap} shared with the timed ones) in {w_seconds:.1f}s",
                       flush=True)
     else:
         print("adaptive engines NOT warmed up (absent or --adaptive-warmup-prompts 0)", flush=True)
@@ -464,7 +463,8 @@ def main():
         sweep_results, rows_sweep = sweep_summary(sweep)
         print(f"\nFixed-batch sweep: adaptive vs no-spec at each batch size, {args.sweep_tokens} tokens per row from "
               f"{args.sweep_prefix} tokens into the longest answers, {args.sweep_reps} interleaved reps "
-              "(decode seconds no-spec / adaptive, >1: adaptive faster):")
+              "(decode seconds no-spec / adaptive, >1: adaptive faster; headline: steps at their strategy's median "
+              "step time, reps pooled, see batch_sweep.py):")
         table_sweep = print_table(SWEEP_HEADERS, rows_sweep)
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)

@@ -12,12 +12,29 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 from tlt_trainers import SpeculativeGenerator, TLTConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from batch_sweep import batch_sweep, best_of_reps_ratio, sweep_contexts, sweep_summary  # noqa: E402
+from batch_sweep import (  # noqa: E402
+    batch_sweep,
+    best_of_reps_ratio,
+    pooled_ratio,
+    sweep_contexts,
+    sweep_summary,
+    typical_decode_seconds,
+)
 
 
 def record(rep, engine, seconds, batch=4, temperature=1.0):
     return {"temperature": temperature, "batch": batch, "rep": rep, "engine": engine, "seconds": seconds + 1,
-            "decode_seconds": seconds, "steps": 10, "acceptance_length": 1.0, "strategies": {"none": 10}}
+            "decode_seconds": seconds, "typical_decode_seconds": seconds, "steps": 10, "acceptance_length": 1.0,
+            "strategies": {"none": 10}}
+
+
+def test_pooled_ratio_does_not_pick_adaptives_luckiest_call():
+    # a lucky long acceptance in rep 2; the other reps lost
+    records = [record(0, "no_spec", 1.0), record(0, "adaptive", 1.4), record(1, "no_spec", 1.0),
+               record(1, "adaptive", 1.4), record(2, "no_spec", 1.0), record(2, "adaptive", 0.4)]
+    assert pooled_ratio(records) == pytest.approx(3.0 / 3.2)
+    assert best_of_reps_ratio(records) == pytest.approx(2.5)
+    assert sweep_summary(records)[0]["1.0"]["4"]["decode_speedup_typical"] == pytest.approx(3.0 / 3.2)
 
 
 def test_best_of_reps_reads_each_engines_fastest_rep():
@@ -29,7 +46,14 @@ def test_best_of_reps_reads_each_engines_fastest_rep():
     entry = summary["1.0"]["4"]
     assert entry["decode_speedup_best_of_reps"] == pytest.approx(1.0 / 1.02)
     assert entry["decode_speedups"] == pytest.approx([1.0 / 1.02, 1.5 / 1.1])
-    assert rows[0][2] == "0.980"
+    assert rows[0][2] == f"{2.5 / 2.12:.3f}" and rows[0][3] == "0.980"
+
+
+def test_typical_decode_seconds_ignores_a_burst_but_not_the_overhead_outside_steps():
+    trace = [SimpleNamespace(strategy="none", seconds=0.1)] * 8 + [SimpleNamespace(strategy="none", seconds=0.5)]
+    trace += [SimpleNamespace(strategy="chain:2", seconds=0.2)] * 3
+    stats = SimpleNamespace(trace=trace, prefill_seconds=1.0, total_seconds=1.0 + 0.8 + 0.5 + 0.6 + 0.05)
+    assert typical_decode_seconds(stats) == pytest.approx(9 * 0.1 + 3 * 0.2 + 0.05)
 
 
 def test_sweep_replays_rows_without_their_own_answers_in_the_history():
@@ -51,6 +75,7 @@ def test_sweep_replays_rows_without_their_own_answers_in_the_history():
     discarded = {r["batch"]: r["own_answers_discarded"] for r in records if r["engine"] == "adaptive"}
     assert discarded == {1: 1, 4: 4}  # each replayed row's own answer, not its sibling's
     assert all(r["tokens"] == r["batch"] * 4 for r in records)  # EOS ignored: the batch stays full
+    assert all(len(r["trace"]) == r["steps"] and r["typical_decode_seconds"] > 0 for r in records)
     assert adaptive.history.num_tokens == snapshot_tokens  # the rollout's history is restored afterwards
     contexts, _, lengths = sweep_contexts(ids, mask, reference.sequences, tok, prefix=6)
     for context, length, m in zip(contexts, lengths, mask):  # prompt + up to 6 tokens, stopping before an EOS

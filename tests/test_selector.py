@@ -212,9 +212,10 @@ def test_history_calibration_is_learnt_per_bucket():
     assert set(selector.summary()["history_calibration_by_bucket"]) == {1, 64}
 
 
-def test_speculation_never_looks_cheaper_than_a_plain_step():
-    """Noisy step times once corrected a chain's cost below a plain step's; a step that verifies more tokens
-    cannot be cheaper, and the default margin matches TLTConfig's."""
+def test_speculation_never_looks_cheaper_than_profiled():
+    """Noisy step times once corrected a chain's cost below a plain step's: plain steps measured in a burst of
+    slowness inflate plain's correction alone. Corrections may raise a speculative step's relative cost, never
+    lower it below the profile's ratio; the default margin matches TLTConfig's."""
     arm = parse_strategy("chain:2")
     profile = CostProfile()
     profile.verify.update({(4, 1): 0.010, (4, 3): 0.015})
@@ -225,5 +226,5 @@ def test_speculation_never_looks_cheaper_than_a_plain_step():
     for _ in range(10):  # plain steps measured slow (drift), chain steps fast
         selector.observe(NONE, 4, 4, 2.0 * plain)
         selector.observe(arm, 4, 4, 0.5 * selector.profile.step_seconds(arm, 4))
-    assert selector.relative_cost(arm, 4) == 1.0
+    assert selector.relative_cost(arm, 4) == pytest.approx(0.017 / 0.010)  # the profile's ratio, not below
     assert selector.relative_cost(NONE, 4) == 1.0
