@@ -95,6 +95,18 @@ def test_confidence_decays_along_the_chain():
     assert prop.tokens == [4, 5]
     assert prop.token_confidence == [1.0, pytest.approx(2 / 3)]
     assert prop.confidence == pytest.approx(2 / 3)
+    assert prop.token_support == [3, 2]  # occurrences behind each proposed token
+
+
+def test_support_counts_the_occurrences_behind_each_token():
+    index = HistoryIndex(search_context=False)
+    index.add("g", [1, 2, 3, 4])
+    single = index.propose("g", [2, 3], 1)
+    for _ in range(3):
+        index.add("g", [1, 2, 3, 4])
+    agreed = index.propose("g", [2, 3], 1)
+    assert single.token_confidence == agreed.token_confidence == [1.0]  # the share cannot tell them apart
+    assert (single.token_support, agreed.token_support) == ([1], [4])
 
 
 def test_own_context_lookup():

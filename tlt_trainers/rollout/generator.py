@@ -559,15 +559,21 @@ class _Rollout:
 
     def _history_expected(self, k: int) -> list[float]:
         """Accepted tokens per row this step's proposals predict for chains of 1..k: the sum over positions of
-        the product of the shares of history that agree with each token so far (the selector calibrates it)."""
+        the product of each token's chance so far (the selector calibrates it).
+
+        A token's chance is its share of the matching history, discounted by how much history backs it:
+        ``count / (count + 1)`` times the share. One sibling that continued this way once is weak evidence (1/2),
+        four that agree are strong (4/5). Undiscounted, a single sibling's 8-token continuation predicted 8 accepted
+        tokens; at batch 1 the engine then verified 9 tokens (2.1x a plain step on a CPU) for 0-2 accepted.
+        """
         totals = [0.0] * k
         proposals, _ = self._history_proposals(k)
         for proposal in proposals:
             survive, expected = 1.0, 0.0
-            conf = proposal.token_confidence
+            conf, support = proposal.token_confidence, proposal.token_support
             for w in range(k):
                 if w < len(conf):
-                    survive *= conf[w]
+                    survive *= conf[w] * support[w] / (support[w] + 1)
                     expected += survive
                 totals[w] += expected
         batch = max(self.rows.seq.shape[0], 1)

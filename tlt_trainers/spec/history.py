@@ -51,6 +51,8 @@ class Proposal:
     match_length: int  # length of the context's suffix that matched (0 when under min_match)
     confidence: float  # product of token_confidence: share of the history that agrees with the chain (0 if empty)
     token_confidence: list[float] = field(default_factory=list)  # per token: count(chosen) / count(all) at its match
+    # per token: count(chosen), the occurrences that back it (one sibling's say-so is weaker than four agreeing)
+    token_support: list[int] = field(default_factory=list, compare=False)
 
 
 class _Node:
@@ -351,15 +353,17 @@ class HistoryIndex:
         root = self._groups.get(key)
         proposed: list[int] = []
         token_conf: list[float] = []
+        token_support: list[int] = []
         match_length = 0
         while True:
-            length, token, frac = self._predict(root, toks, buf)
+            length, token, frac, support = self._predict(root, toks, buf)
             if not proposed:
                 match_length = length
             if length == 0 or len(proposed) >= max_tokens:
                 break
             proposed.append(token)
             token_conf.append(frac)
+            token_support.append(support)
             toks.append(token)
             if buf is not None:
                 buf += token.to_bytes(_WIDTH, sys.byteorder)
@@ -370,7 +374,7 @@ class HistoryIndex:
             confidence = 1.0
             for c in token_conf:
                 confidence *= c
-        return Proposal(proposed, match_length, confidence, token_conf)
+        return Proposal(proposed, match_length, confidence, token_conf, token_support)
 
     def propose_many(
         self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], max_tokens: int | Sequence[int]
@@ -383,8 +387,9 @@ class HistoryIndex:
             raise ValueError(f"got {len(limits)} max_tokens for {len(keys)} rows")
         return [self.propose(k, c, n) for k, c, n in zip(keys, contexts, limits)]
 
-    def _predict(self, root: _Node | None, toks: array, buf: bytearray | None) -> tuple[int, int, float]:
-        """(match length, most frequent next token, its share) for the current suffix; (0, -1, 0) if none."""
+    def _predict(self, root: _Node | None, toks: array, buf: bytearray | None) -> tuple[int, int, float, int]:
+        """(match length, most frequent next token, its share, its count) for the current suffix; (0, -1, 0, 0)
+        if none."""
         size = len(toks)
         min_match = self.min_match
         limit = min(self.max_match, size)
@@ -422,7 +427,7 @@ class HistoryIndex:
                         hi = mid - 1
         length = max(hist_len, ctx_len)
         if length == 0:
-            return 0, -1, 0.0
+            return 0, -1, 0.0, 0
         counts: dict[int, int] = {}
         if hist_len == length:
             if hist_node is None:
@@ -444,7 +449,7 @@ class HistoryIndex:
                 end = i + (length * _WIDTH) - 1  # the next one starts before this one
         # Most frequent; ties go to the row's own context (its own path), then to the smaller id.
         best = max(counts, key=lambda t: (counts[t], ctx_counts.get(t, 0), -t))
-        return length, best, counts[best] / sum(counts.values())
+        return length, best, counts[best] / sum(counts.values()), counts[best]
 
 
 def _rfind_suffix(buf: bytearray, length: int, size: int, end: int = -1) -> int:
