@@ -101,8 +101,7 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
                                 "median_step_seconds": statistics.median(r.seconds for r in stats.trace)
                                 if stats.trace else None,
                                 "typical_decode_seconds": typical_decode_seconds(stats),
-                                "outside_step_seconds": stats.total_seconds - stats.prefill_seconds
-                                - sum(r.seconds for r in stats.trace),
+                                "outside_step_seconds": outside_step_seconds(stats),
                                 "trace": [[r.strategy, r.emitted, r.seconds] for r in stats.trace]})
         mine = [r for r in records if r["batch"] == size]
         log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed: typical steps "
@@ -129,6 +128,11 @@ def sweep_ratios(records: list[dict], key: str = "decode_seconds") -> list[float
     return [v["no_spec"] / v["adaptive"] for _, v in sorted(by_rep.items()) if "no_spec" in v and "adaptive" in v]
 
 
+def outside_step_seconds(stats) -> float:
+    """Decode seconds spent between steps (choosing a strategy, history proposals): not in any step's trace."""
+    return max(stats.total_seconds - stats.prefill_seconds - sum(step.seconds for step in stats.trace), 0.0)
+
+
 def typical_decode_seconds(stats) -> float:
     """Decode seconds at the machine's typical speed: each strategy's steps counted at that strategy's median step
     time, plus the measured time spent outside steps (choosing, history proposals), which stays visible.
@@ -139,9 +143,7 @@ def typical_decode_seconds(stats) -> float:
     by_strategy: dict[str, list[float]] = {}
     for step in stats.trace:
         by_strategy.setdefault(step.strategy, []).append(step.seconds)
-    in_steps = sum(sum(times) for times in by_strategy.values())
-    outside = max(stats.total_seconds - stats.prefill_seconds - in_steps, 0.0)
-    return sum(len(times) * statistics.median(times) for times in by_strategy.values()) + outside
+    return sum(len(times) * statistics.median(times) for times in by_strategy.values()) + outside_step_seconds(stats)
 
 
 def pooled_ratio(records: list[dict], key: str = "typical_decode_seconds") -> float:

@@ -1,5 +1,6 @@
 """The benchmark's fixed-batch sweep (``benchmarks/batch_sweep.py``) on a tiny model: the replayed rows' own answers
-are kept out of the adaptive engine's history, and the best-of-reps statistic reads the fastest rep of each engine."""
+are kept out of the adaptive engine's history; the headline pools typical-step times over reps, the best-of-reps
+statistic beside it reads each engine's fastest rep."""
 
 import sys
 from pathlib import Path

@@ -83,10 +83,6 @@ class StrategySelector:
             mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
         return min(mean, strategy.max_emitted)
 
-    def step_seconds(self, strategy: Strategy, batch: int) -> float:
-        predicted = self.profile.step_seconds(strategy, batch)
-        return predicted * self.correction.get((selector_bucket(batch), strategy.name), 1.0)
-
     def relative_cost(self, strategy: Strategy, batch: int) -> float:
         """Seconds of a step with ``strategy`` per plain step at this batch size.
 
@@ -96,11 +92,11 @@ class StrategySelector:
         during plain steps, which inflates plain's correction alone. At batch 64 such a burst once made chain:2
         look nearly free, and a cold selector chose it in 11 of 15 steps.
         """
-        ratio = self.step_seconds(strategy, batch) / self.step_seconds(NONE, batch)
-        if strategy.kind == "none":
-            return ratio
+        bucket = selector_bucket(batch)
         profiled = self.profile.step_seconds(strategy, batch) / self.profile.step_seconds(NONE, batch)
-        return max(ratio, profiled, 1.0)
+        ratio = profiled * (self.correction.get((bucket, strategy.name), 1.0)
+                            / self.correction.get((bucket, NONE.name), 1.0))
+        return ratio if strategy.kind == "none" else max(ratio, profiled, 1.0)
 
     def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
         """Expected speedup over plain decoding. Exploration is optimistic only where a wrong guess is cheap
