@@ -40,7 +40,7 @@ class ScriptedSelector:
         self.used.append(strategy.name)
         return strategy
 
-    def observe(self, *args):
+    def observe(self, *args, **kwargs):
         pass
 
 

@@ -228,3 +228,35 @@ def test_speculation_never_looks_cheaper_than_profiled():
         selector.observe(arm, 4, 4, 0.5 * selector.profile.step_seconds(arm, 4))
     assert selector.relative_cost(arm, 4) == pytest.approx(0.017 / 0.010)  # the profile's ratio, not below
     assert selector.relative_cost(NONE, 4) == 1.0
+
+
+def test_speculative_steps_are_costed_against_the_plain_pace_of_their_time():
+    """Contexts grow and this CPU drifts: plain steps measured 1.5x slower than profiled, then chain steps 1.5x
+    slower too, cost what the profile says relative to each other. A bucket whose plain pace is older than
+    ``refresh_steps`` takes one plain step before speculating again."""
+    arm = ARMS[0]
+    selector = StrategySelector([arm], synthetic_profile(), exploration=0.0, refresh_steps=10)
+    feed(selector, arm, 1, tokens_per_row=3.0, steps=5)
+    for _ in range(5):
+        selector.observe(NONE, 1, 1, 1.5 * selector.profile.step_seconds(NONE, 1))
+    for _ in range(10):
+        assert selector.choose(1) == arm
+        selector.observe(arm, 1, 3, 1.5 * selector.profile.step_seconds(arm, 1))
+    profiled = selector.profile.step_seconds(arm, 1) / selector.profile.step_seconds(NONE, 1)
+    assert selector.relative_cost(arm, 1) == pytest.approx(profiled, rel=0.02)
+    assert selector.choose(1) == NONE  # 10 steps without a plain one in the bucket: refresh its pace
+    selector.observe(NONE, 1, 1, 1.5 * selector.profile.step_seconds(NONE, 1))
+    assert selector.choose(1) == arm
+
+
+def test_the_drafters_catch_up_after_plain_steps_is_not_charged_to_the_strategy():
+    """Switching from plain decoding feeds the drafter everything it sat out, a one-off paid by whichever strategy
+    comes first; counted as that strategy's cost it priced a good arm out of the bucket."""
+    arm = ARMS[0]
+    selector = StrategySelector([arm], synthetic_profile(), exploration=0.0)
+    plain = selector.profile.step_seconds(NONE, 1)
+    step = selector.profile.step_seconds(arm, 1)
+    selector.observe(arm, 1, 3, step + 5 * plain, catch_up_seconds=5 * plain + selector.profile.catch_up_seconds(1))
+    assert selector.relative_cost(arm, 1) == pytest.approx(step / plain)
+    selector.observe(arm, 1, 3, step + 5 * plain)
+    assert selector.relative_cost(arm, 1) > 1.3 * step / plain  # the same seconds without the catch-up count

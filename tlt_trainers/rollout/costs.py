@@ -62,6 +62,11 @@ class CostProfile:
         w = (batch - lower) / (upper - lower)
         return (1 - w) * table[(lower, tokens)] + w * table[(upper, tokens)]
 
+    def catch_up_seconds(self, batch: int) -> float:
+        """The drafter's pass over the one token per row a plain step commits (0 without a drafter profile)."""
+        seconds = self._lookup(self.draft, batch, 1)
+        return seconds if math.isfinite(seconds) else 0.0
+
     def step_seconds(self, strategy: Strategy, batch: int) -> float:
         """Predicted seconds of one engine step with ``strategy`` at ``batch`` active rows."""
         verify = self._lookup(self.verify, batch, strategy.tokens_per_row)

@@ -29,6 +29,10 @@ from .selector import StrategySelector
 from .stats import GenerationStats
 from .target import TargetModel
 
+# The most slots one speculative step commits (a depth-8 path or an 8-token history chain, plus the bonus token):
+# a drafter further behind has sat out plain steps, and its catch-up is the one-off cost of switching.
+_STEADY_CATCH_UP = 12
+
 SUPPORTED_SETTINGS = (
     "attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, "
     "eos_token_id, pad_token_id, generator"
@@ -261,6 +265,7 @@ class _Rollout:
                                       mode="static" if graph_mode == "static" else "cuda")
         self.feature_sink = feature_sink
         self._proposals = None  # (step, k, proposals, contexts) of the current step
+        self._switch_seconds = 0.0  # this step's catch-up after plain steps (see _catch_up)
         # Adaptive: history:K arms are valued from each step's proposals (which cost no compute).
         self.history_arm_tokens = 0
         if self.selector is not None and self.history is not None:
@@ -346,11 +351,14 @@ class _Rollout:
         pending = rows.state.length - dstate.length  # pairs (h_s, x_{s+1}) the drafter has not seen yet
         width = int(pending.max())
         batch = pending.shape[0]
+        start = self._now() if width > _STEADY_CATCH_UP else None
         slots = (dstate.length[:, None] + torch.arange(width, device=self.device)).clamp(max=self.capacity - 2)
         hidden_in = rows.features.gather(1, slots[..., None].expand(-1, -1, rows.features.shape[-1]))
         tokens_in = rows.seq.gather(1, slots + 1)
         feature = self._drafter_pass(hidden_in, tokens_in, slots)
         dstate.length = rows.state.length.clone()
+        if start is not None:  # a switch from plain decoding: the selector leaves this one-off out of the cost
+            self._switch_seconds = self._now() - start
         return feature[torch.arange(batch, device=self.device), pending - 1]
 
     def _draft(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -469,6 +477,7 @@ class _Rollout:
     # ------------------------------------------------------------------ one step
     def _step(self, strategy: Strategy) -> None:
         batch = self.rows.seq.shape[0]
+        self._switch_seconds = 0.0
         start = self._now()
         if strategy.kind in ("tree", "history"):
             emitted, drafted, accepted = self._tree_step(strategy, start)
@@ -477,7 +486,7 @@ class _Rollout:
         seconds = self._now() - start
         self.stats.record_step(batch, emitted, drafted, accepted, seconds, strategy.name)
         if self.selector is not None:
-            self.selector.observe(strategy, batch, emitted, seconds, accepted)
+            self.selector.observe(strategy, batch, emitted, seconds, accepted, catch_up_seconds=self._switch_seconds)
 
     def _tree_step(self, strategy: Strategy, start: float) -> tuple[int, int, int]:
         rows = self.rows

@@ -9,7 +9,10 @@ estimated separately because they generalise differently:
   running differs by batch size, though (the tail is the long, often repetitive answers), so a
   bucket with its own observations shrinks the shared estimate toward them.
 * the relative cost depends on the batch size and the device: a profile predicts it and every
-  step corrects the prediction for its bucket (see :mod:`.costs`).
+  step corrects the prediction for its bucket (see :mod:`.costs`). A speculative step is measured
+  against the bucket's recent plain steps, not against the profile: contexts grow during a rollout
+  and this CPU's speed drifts by 10-20% over minutes, so only steps close in time compare. When a
+  bucket's plain reference is older than ``refresh_steps`` steps, the next step there is plain.
 
 Plain decoding has speedup 1 by definition and is always an arm, so speculation is used only
 where it is expected to pay. TLT's table seeds the optimism of the first choices, nothing more.
@@ -34,7 +37,8 @@ from .costs import CostProfile, selector_bucket
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
-                 explore_below: float = 1.3, min_speedup: float = 1.15, bucket_weight: float = 8.0):
+                 explore_below: float = 1.3, min_speedup: float = 1.15, bucket_weight: float = 8.0,
+                 refresh_steps: int = 32):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
@@ -44,10 +48,14 @@ class StrategySelector:
         self.explore_below = explore_below
         self.min_speedup = min_speedup
         self.bucket_weight = bucket_weight
+        self.refresh_steps = refresh_steps
         self.steps = 0
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
         self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
-        self.correction: dict[tuple[int, str], float] = {}  # (bucket, strategy) -> measured / predicted
+        # (bucket, "none") -> plain steps' measured / predicted seconds; (bucket, strategy) -> a speculative step's
+        # measured / predicted seconds relative to that plain pace when it was taken
+        self.correction: dict[tuple[int, str], float] = {}
+        self.plain_seen: dict[int, int] = {}  # bucket -> selector step of its latest plain step
         self.chosen: dict[int, dict[str, int]] = {}
         # History calibration: (step, bucket, tokens accepted, tokens the proposals' match statistics predicted).
         self.history_calibration_prior = (2.0, 4.0)  # pseudo-counts: accepted, predicted (a 0.5 prior)
@@ -86,17 +94,16 @@ class StrategySelector:
     def relative_cost(self, strategy: Strategy, batch: int) -> float:
         """Seconds of a step with ``strategy`` per plain step at this batch size.
 
-        Corrections may raise a speculative strategy's cost above the profile's ratio (overheads the profile
-        cannot see) but never lower it below that ratio, nor below 1. The profile is fastest-of-repeats and capped
-        by larger work (see :func:`.costs.monotone_envelope`); what lowers a ratio below it is a burst of slowness
-        during plain steps, which inflates plain's correction alone. At batch 64 such a burst once made chain:2
-        look nearly free, and a cold selector chose it in 11 of 15 steps.
+        The profile's ratio, times what speculative steps in this bucket measured against the plain pace of their
+        time (see :meth:`observe`). Corrections may raise the ratio above the profile's (overheads it cannot see),
+        never lower it below that ratio, nor below 1: the profile is fastest-of-repeats and capped by larger work
+        (:func:`.costs.monotone_envelope`), and what reads lower is a burst of slowness during the plain steps.
         """
-        bucket = selector_bucket(batch)
+        if strategy.kind == "none":
+            return 1.0
         profiled = self.profile.step_seconds(strategy, batch) / self.profile.step_seconds(NONE, batch)
-        ratio = profiled * (self.correction.get((bucket, strategy.name), 1.0)
-                            / self.correction.get((bucket, NONE.name), 1.0))
-        return ratio if strategy.kind == "none" else max(ratio, profiled, 1.0)
+        ratio = profiled * self.correction.get((selector_bucket(batch), strategy.name), 1.0)
+        return max(ratio, profiled, 1.0)
 
     def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
         """Expected speedup over plain decoding. Exploration is optimistic only where a wrong guess is cheap
@@ -163,34 +170,48 @@ class StrategySelector:
                 value = self.speedup(strategy, batch, optimism=True)
             if value > best_value:
                 best, best_value = strategy, value
+        bucket = selector_bucket(batch)
+        seen = self.plain_seen.get(bucket)
+        if best.kind != "none" and seen is not None and self.steps - seen >= self.refresh_steps:
+            best = NONE  # the bucket's plain pace is stale: measure it again before comparing against it
         if best.kind == "history" and history_expected is not None:
             self._history_prediction = (best, history_expected[best.history - 1] * batch)
-        counts = self.chosen.setdefault(selector_bucket(batch), {})
+        counts = self.chosen.setdefault(bucket, {})
         counts[best.name] = counts.get(best.name, 0) + 1
         return best
 
     def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float,
-                accepted: int | None = None) -> None:
+                accepted: int | None = None, catch_up_seconds: float = 0.0) -> None:
         """Learn from a step: tokens emitted (acceptance), its seconds (cost correction) and, after a history
-        step chosen from its proposals, the draft tokens accepted (history calibration)."""
+        step chosen from its proposals, the draft tokens accepted (history calibration).
+
+        ``catch_up_seconds``: time the drafter spent catching up on a long stretch of plain steps (a one-off at
+        a switch, paid whichever strategy follows); it is left out of the strategy's cost.
+        """
         self.steps += 1
         prediction, self._history_prediction = self._history_prediction, None
         if prediction is not None and prediction[0] == strategy and accepted is not None:
             self.history_outcomes.append((self.steps, selector_bucket(batch), accepted, prediction[1]))
+        bucket = selector_bucket(batch)
         if strategy.kind != "none":
             history = self.observed.get(strategy.name)
             if history is not None:
                 history.append((self.steps, emitted / batch))
-                self.observed_in.setdefault((selector_bucket(batch), strategy.name), deque()).append(
-                    (self.steps, emitted / batch))
+                self.observed_in.setdefault((bucket, strategy.name), deque()).append((self.steps, emitted / batch))
         predicted = self.profile.step_seconds(strategy, batch)
-        if math.isfinite(predicted) and predicted > 0:
-            key = (selector_bucket(batch), strategy.name)
+        if not (math.isfinite(predicted) and predicted > 0):
+            return
+        if strategy.kind == "none":
+            self.plain_seen[bucket] = self.steps
             ratio = seconds / predicted
-            old = self.correction.get(key)
-            alpha = self.cost_smoothing
-            self.correction[key] = ratio if old is None else math.exp(
-                (1 - alpha) * math.log(old) + alpha * math.log(ratio))
+        else:
+            if catch_up_seconds:  # keep the catch-up a step pays in a run of speculative steps
+                seconds = max(seconds - catch_up_seconds, 0.0) + self.profile.catch_up_seconds(batch)
+            ratio = seconds / predicted / self.correction.get((bucket, NONE.name), 1.0)
+        key = (bucket, strategy.name)
+        old = self.correction.get(key)
+        alpha = self.cost_smoothing
+        self.correction[key] = ratio if old is None else math.exp((1 - alpha) * math.log(old) + alpha * math.log(ratio))
 
     def summary(self) -> dict:
         """What the selector believes now: acceptance per strategy, relative cost and choices per bucket."""
