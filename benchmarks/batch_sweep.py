@@ -7,13 +7,15 @@ own answers (a realistic mid-rollout context) for exactly ``new_tokens`` tokens 
 active and the batch size is b at every step), with no-spec and adaptive timed back to back, alternating which goes
 first, ``reps`` times with shared seeds. Decode seconds exclude the prefill (identical work in both).
 
-This CPU's noise is one-sided (bursts of slowness of up to 2x within a minute; identical calls 0.80-1.08x apart)
-and a burst lasts seconds, so even the fastest of three 12-second calls is often hit. The headline ratio therefore
-counts each call's steps at their strategy's median step time (``typical_decode_seconds``; time outside steps is
-added as measured) and pools the reps: no-spec's total over adaptive's. Pooling, not the fastest rep, because
-adaptive's time also varies with what its drafts happen to get accepted: a best-of-reps ratio picks its luckiest call
-(at batch 1, one call with a 9-token history acceptance read 2.4x while the other two read 0.74x). Beside it:
-best-of-reps on the raw decode seconds (the rule ``timeit`` follows) and the per-rep paired ratios.
+The two engines run in *lockstep*: one step of one, one step of the other, each step timed on its own (choosing a
+strategy included). This CPU's noise is one-sided and bursty (bursts of slowness of up to 2x lasting seconds;
+identical 12-second calls back to back read 0.80-1.08x apart, and cells where adaptive decoded plain at every step
+read 0.94-1.13x no-spec), so two calls timed one after the other cannot resolve 3%. In lockstep a burst falls on both
+engines' steps alike. The headline pools the reps' decode seconds: no-spec's total over adaptive's. Pooling, not the
+fastest rep, because adaptive's time also varies with what its drafts happen to get accepted: a best-of-reps ratio
+picks its luckiest call (at batch 1, one call with a 9-token history acceptance read 2.4x while the other two read
+0.74x). Beside it: each call's steps counted at their strategy's median step time (``typical_decode_seconds``, the
+headline before lockstep), best-of-reps on the raw decode seconds, and the per-rep paired ratios.
 
 The adaptive engine keeps what it learnt in the rollouts (costs, acceptance, history). Its history index is reset
 to the rollouts' before every call, minus the replayed rows' own answers: a row continuing its own answer would
@@ -58,14 +60,38 @@ def left_pad(contexts: list[list[int]], pad_token_id: int, device) -> tuple[torc
     return ids.to(device), mask.to(device)
 
 
-def _timed_call(engine, ids, mask, keys, new_tokens, sampling: dict, seed: int, pad_token_id: int):
-    start = time.perf_counter()
-    res = engine.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
-                          pad_token_id=pad_token_id, generator=torch.Generator().manual_seed(seed),
-                          history_keys=keys, **sampling)
-    if ids.device.type == "cuda":
-        torch.cuda.synchronize(ids.device)
-    return time.perf_counter() - start, res.stats
+def _lockstep(engines: dict, ids, mask, keys, new_tokens, sampling: dict, seed: int, pad_token_id: int) -> dict:
+    """Run the engines' rollouts of the same rows one step each in turn; per engine (wall seconds, decode seconds,
+    stats). Decode seconds are the engine's own steps, timed one by one (choosing a strategy included), so a burst
+    of slowness on this CPU falls on both engines' steps alike instead of on one engine's whole call."""
+    sync = ids.device.type == "cuda"
+
+    def clock() -> float:
+        if sync:
+            torch.cuda.synchronize(ids.device)
+        return time.perf_counter()
+
+    rollouts, wall, decode = {}, {}, {}
+    for name, engine in engines.items():
+        start = clock()
+        rollouts[name] = engine.start(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
+                                      pad_token_id=pad_token_id, generator=torch.Generator().manual_seed(seed),
+                                      history_keys=keys, **sampling)
+        rollouts[name].begin()
+        wall[name], decode[name] = clock() - start, 0.0
+    active = list(engines)
+    while active:
+        for name in list(active):
+            start = clock()
+            if not rollouts[name].step():
+                active.remove(name)
+            decode[name] += clock() - start
+    out = {}
+    for name, rollout in rollouts.items():
+        start = clock()
+        stats = rollout.finish().stats
+        out[name] = (wall[name] + decode[name] + clock() - start, decode[name], stats)
+    return out
 
 
 def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: float, sampling: dict,
@@ -85,23 +111,23 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
             replay_history = copy.deepcopy(snapshot)
             discarded = sum(replay_history.discard(keys[r], contexts[r]) for r in rows)
         for rep in range(reps):
-            names = ("no_spec", "adaptive") if rep % 2 == 0 else ("adaptive", "no_spec")
+            names = ("no_spec", "adaptive") if rep % 2 == 0 else ("adaptive", "no_spec")  # who steps first
+            if replay_history is not None:
+                adaptive.history = copy.deepcopy(replay_history)
+            timed = _lockstep({name: no_spec if name == "no_spec" else adaptive for name in names}, s_ids, s_mask,
+                              s_keys, new_tokens, sampling, seed + rep, tok.pad_token_id)
             for name in names:
-                engine = no_spec if name == "no_spec" else adaptive
-                if name == "adaptive" and replay_history is not None:
-                    adaptive.history = copy.deepcopy(replay_history)
-                seconds, stats = _timed_call(engine, s_ids, s_mask, s_keys, new_tokens, sampling, seed + rep,
-                                             tok.pad_token_id)
+                seconds, decode, stats = timed[name]
                 chosen = count_strategies(stats.strategies.values())
                 records.append({"temperature": temperature, "batch": size, "rep": rep, "engine": name,
-                                "seconds": seconds, "decode_seconds": stats.total_seconds - stats.prefill_seconds,
+                                "seconds": seconds, "decode_seconds": decode,
                                 "tokens": stats.generated_tokens, "steps": stats.steps,
                                 "acceptance_length": stats.acceptance_length, "strategies": dict(chosen),
                                 "own_answers_discarded": discarded if name == "adaptive" else 0,
                                 "median_step_seconds": statistics.median(r.seconds for r in stats.trace)
                                 if stats.trace else None,
-                                "typical_decode_seconds": typical_decode_seconds(stats),
-                                "outside_step_seconds": outside_step_seconds(stats),
+                                "typical_decode_seconds": typical_decode_seconds(stats, decode),
+                                "outside_step_seconds": outside_step_seconds(stats, decode),
                                 "trace": [[r.strategy, r.emitted, r.seconds] for r in stats.trace]})
         mine = [r for r in records if r["batch"] == size]
         log(f"T={temperature} sweep batch {size}: adaptive/no-spec decode speed: typical steps "
@@ -128,12 +154,15 @@ def sweep_ratios(records: list[dict], key: str = "decode_seconds") -> list[float
     return [v["no_spec"] / v["adaptive"] for _, v in sorted(by_rep.items()) if "no_spec" in v and "adaptive" in v]
 
 
-def outside_step_seconds(stats) -> float:
-    """Decode seconds spent between steps (choosing a strategy, history proposals): not in any step's trace."""
-    return max(stats.total_seconds - stats.prefill_seconds - sum(step.seconds for step in stats.trace), 0.0)
+def outside_step_seconds(stats, decode_seconds: float | None = None) -> float:
+    """Decode seconds spent between steps (choosing a strategy, history proposals): not in any step's trace.
+    ``decode_seconds``: the call's decode time when measured outside the engine (lockstep); default its own clock."""
+    if decode_seconds is None:
+        decode_seconds = stats.total_seconds - stats.prefill_seconds
+    return max(decode_seconds - sum(step.seconds for step in stats.trace), 0.0)
 
 
-def typical_decode_seconds(stats) -> float:
+def typical_decode_seconds(stats, decode_seconds: float | None = None) -> float:
     """Decode seconds at the machine's typical speed: each strategy's steps counted at that strategy's median step
     time, plus the measured time spent outside steps (choosing, history proposals), which stays visible.
 
@@ -143,7 +172,8 @@ def typical_decode_seconds(stats) -> float:
     by_strategy: dict[str, list[float]] = {}
     for step in stats.trace:
         by_strategy.setdefault(step.strategy, []).append(step.seconds)
-    return sum(len(times) * statistics.median(times) for times in by_strategy.values()) + outside_step_seconds(stats)
+    typical = sum(len(times) * statistics.median(times) for times in by_strategy.values())
+    return typical + outside_step_seconds(stats, decode_seconds)
 
 
 def pooled_ratio(records: list[dict], key: str = "typical_decode_seconds") -> float:
@@ -171,6 +201,7 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             chosen = count_strategies(r["strategies"] for r in adaptive)
             total = sum(chosen.values()) or 1
             entry = {
+                "decode_speedup_lockstep": pooled_ratio(mine, "decode_seconds"),
                 "decode_speedup_typical": pooled_ratio(mine),
                 "decode_speedup_best_of_reps": best_of_reps_ratio(mine),
                 "decode_speedup_median": statistics.median(decode), "decode_speedup_min": min(decode),
@@ -182,7 +213,8 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
             }
             summary.setdefault(str(temperature), {})[str(size)] = entry
             top = ", ".join(f"{k} {v / total:.0%}" for k, v in chosen.most_common(3))
-            rows.append([temperature, size, f"{entry['decode_speedup_typical']:.3f}",
+            rows.append([temperature, size, f"{entry['decode_speedup_lockstep']:.3f}",
+                         f"{entry['decode_speedup_typical']:.3f}",
                          f"{entry['decode_speedup_best_of_reps']:.3f}",
                          f"{entry['decode_speedup_median']:.3f}",
                          f"{entry['decode_speedup_min']:.3f}-{entry['decode_speedup_max']:.3f}",
@@ -191,5 +223,6 @@ def sweep_summary(records: list[dict]) -> tuple[dict, list[list]]:
     return summary, rows
 
 
-SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (typical steps)", "best of reps", "per rep: median",
-                 "per rep: range", "wall ratio", "no-spec ms/step", "accept len", "adaptive strategies"]
+SWEEP_HEADERS = ["T", "batch", "adaptive/no-spec (lockstep, reps pooled)", "typical steps", "best of reps",
+                 "per rep: median", "per rep: range", "wall ratio", "no-spec ms/step", "accept len",
+                 "adaptive strategies"]

@@ -37,7 +37,8 @@ Definitions (seconds are wall time of the generate call; per-step times come fro
   ``model.generate`` has no per-step trace: only its total time is measured.
 - speedups are ratios of seconds, baseline / engine: >1 means the engine is faster.
 - the *fixed-batch sweep* (``batch_sweep.py``, after each temperature's reps) times adaptive against no-spec at each
-  batch size directly: rows held at a fixed batch size, the two engines back to back, several reps. It is the
+  batch size directly: rows held at a fixed batch size, the two engines in lockstep (one step each in turn), several
+  reps. It is the
   cleanest answer to "is adaptive slower than plain decoding at any batch size?".
 - *equal-batch* speedups compare an engine's steps with no-spec's plain steps at the same batch sizes (same
   rep); *same clock* ones first rescale them by a speed probe (a fixed forward timed before and after every
@@ -463,8 +464,8 @@ def main():
         sweep_results, rows_sweep = sweep_summary(sweep)
         print(f"\nFixed-batch sweep: adaptive vs no-spec at each batch size, {args.sweep_tokens} tokens per row from "
               f"{args.sweep_prefix} tokens into the longest answers, {args.sweep_reps} interleaved reps "
-              "(decode seconds no-spec / adaptive, >1: adaptive faster; headline: steps at their strategy's median "
-              "step time, reps pooled, see batch_sweep.py):")
+              "(decode seconds no-spec / adaptive, >1: adaptive faster; headline: the engines stepped in lockstep, "
+              "reps pooled, see batch_sweep.py):")
         table_sweep = print_table(SWEEP_HEADERS, rows_sweep)
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)

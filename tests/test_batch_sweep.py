@@ -47,7 +47,8 @@ def test_best_of_reps_reads_each_engines_fastest_rep():
     entry = summary["1.0"]["4"]
     assert entry["decode_speedup_best_of_reps"] == pytest.approx(1.0 / 1.02)
     assert entry["decode_speedups"] == pytest.approx([1.0 / 1.02, 1.5 / 1.1])
-    assert rows[0][2] == f"{2.5 / 2.12:.3f}" and rows[0][3] == "0.980"
+    assert rows[0][3] == f"{2.5 / 2.12:.3f}" and rows[0][4] == "0.980"
+    assert entry["decode_speedup_lockstep"] == pytest.approx(2.5 / 2.12)
 
 
 def test_typical_decode_seconds_ignores_a_burst_but_not_the_overhead_outside_steps():
@@ -81,3 +82,21 @@ def test_sweep_replays_rows_without_their_own_answers_in_the_history():
     contexts, _, lengths = sweep_contexts(ids, mask, reference.sequences, tok, prefix=6)
     for context, length, m in zip(contexts, lengths, mask):  # prompt + up to 6 tokens, stopping before an EOS
         assert len(context) == int(m.sum()) + min(6, length - 1)
+
+
+def test_a_rollout_stepped_by_hand_is_generate():
+    """The lockstep sweep drives rollouts one step at a time: start/begin/step/finish must be generate()."""
+    model = tiny_model("llama", logit_scale=4.0)
+    ids, mask = padded_prompts([5, 3, 7], seed=4)
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, do_sample=True)
+    reference = engine.generate(ids, generator=torch.Generator().manual_seed(5), **kwargs)
+    rollout = engine.start(ids, generator=torch.Generator().manual_seed(5), **kwargs)
+    rollout.begin()
+    steps = 0
+    while rollout.step():
+        steps += 1
+    result = rollout.finish()
+    assert torch.equal(result.sequences, reference.sequences)
+    assert steps + 1 == result.stats.steps == reference.stats.steps
+    assert not rollout.step()

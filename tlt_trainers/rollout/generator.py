@@ -172,6 +172,39 @@ class SpeculativeGenerator:
         ``history_keys`` (one hashable per row) groups rows whose rollouts propose drafts for each other;
         by default rows with the same prompt form a group (GRPO's siblings, and the same prompt in later steps).
         """
+        return self.start(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
+                          repetition_penalty, eos_token_id, pad_token_id, generator, feature_sink, history_keys,
+                          **unsupported).run()
+
+    @torch.no_grad()
+    def start(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 256,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        feature_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        history_keys: list | None = None,
+        **unsupported,
+    ) -> _Rollout:
+        """:meth:`generate`, to be driven one step at a time: ``rollout.step()`` until it returns False, then
+        ``rollout.finish()``. Benchmarks interleave two engines' steps this way, so both see the same machine.
+
+        ``feature_sink(tokens [L + 1], features [L, H])`` receives each finished row (prompt and completion)
+        with the policy's hidden states from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
+        drafter trains on fresh rollouts without another policy forward.
+
+        ``history_keys`` (one hashable per row) groups rows whose rollouts propose drafts for each other;
+        by default rows with the same prompt form a group (GRPO's siblings, and the same prompt in later steps).
+        """
         if unsupported:
             raise TypeError(
                 f"SpeculativeGenerator.generate does not support {sorted(unsupported)}; "
@@ -207,7 +240,7 @@ class SpeculativeGenerator:
             keys = list(history_keys)
             self.history.new_step()
         return _Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),
-                        pad_token_id, generator, feature_sink, keys).run()
+                        pad_token_id, generator, feature_sink, keys)
 
 
 class _Rollout:
@@ -735,26 +768,43 @@ class _Rollout:
             return Strategy("chain", depth=remaining - 1, num_nodes=remaining - 1)
         return strategy
 
-    def run(self) -> GenerationResult:
-        begin = self._now()
-        progress = None
+    @torch.no_grad()
+    def begin(self) -> None:
+        """Prefill; the clock of ``stats.total_seconds`` starts here."""
+        self._begin = self._now()
+        self._progress = None
         if self.config.show_progress:
             from tqdm.auto import tqdm
 
-            progress = tqdm(total=int(self.completions.numel()), desc="generate", unit="tok")
+            self._progress = tqdm(total=int(self.completions.numel()), desc="generate", unit="tok")
         self._prefill()
         self._record_memory()
-        while self.rows.seq.shape[0] > 0:
-            before = self.stats.generated_tokens
-            self._step(self._choose(self.rows.seq.shape[0]))
-            self._record_memory()
-            if progress is not None:
-                progress.update(self.stats.generated_tokens - before)
-        if progress is not None:
-            progress.close()
-        self.stats.total_seconds = self._now() - begin
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One decode step of the active rows (after :meth:`begin`); False once every row has finished."""
+        if self.rows.seq.shape[0] == 0:
+            return False
+        before = self.stats.generated_tokens
+        self._step(self._choose(self.rows.seq.shape[0]))
+        self._record_memory()
+        if self._progress is not None:
+            self._progress.update(self.stats.generated_tokens - before)
+        return self.rows.seq.shape[0] > 0
+
+    def finish(self) -> GenerationResult:
+        if self._progress is not None:
+            self._progress.close()
+        self.stats.total_seconds = self._now() - self._begin
         if self.history is not None:
             self.stats.history_bytes = self.history.nbytes()
         width = int(self.lengths.max())
         sequences = torch.cat([self.input_ids, self.completions[:, :width]], dim=1)
         return GenerationResult(sequences=sequences, stats=self.stats)
+
+    @torch.no_grad()
+    def run(self) -> GenerationResult:
+        self.begin()
+        while self.step():
+            pass
+        return self.finish()

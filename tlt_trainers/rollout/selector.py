@@ -37,7 +37,7 @@ from .costs import CostProfile, selector_bucket
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
-                 explore_below: float = 1.3, min_speedup: float = 1.15, bucket_weight: float = 8.0,
+                 explore_below: float = 1.3, min_speedup: float = 1.25, bucket_weight: float = 8.0,
                  refresh_steps: int = 32):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
