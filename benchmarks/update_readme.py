@@ -34,7 +34,7 @@ def block(name: str) -> str | None:
         if key in data.get("tables", {}):
             parts += [f"{title}:", "", data["tables"][key], ""]
     if data.get("tables", {}).get("sweep"):
-        parts += ["Fixed batch, adaptive vs no-spec back to back (decode seconds no-spec / adaptive, >1: adaptive "
+        parts += ["Fixed batch, adaptive vs no-spec in lockstep (decode seconds no-spec / adaptive, >1: adaptive "
                   "faster; `benchmarks/batch_sweep.py`):", "", data["tables"]["sweep"], ""]
     if data.get("proposers"):
         parts += ["Proposers per rep (vs no-spec of the same rep):", "", proposer_table(data["proposers"])]
