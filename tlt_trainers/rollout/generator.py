@@ -299,6 +299,8 @@ class _Rollout:
         self.feature_sink = feature_sink
         self._proposals = None  # (step, k, proposals, contexts) of the current step
         self._switch_seconds = 0.0  # this step's catch-up after plain steps (see _catch_up)
+        self._begin = None  # set by begin(): the clock of stats.total_seconds
+        self._progress = None
         # Adaptive: history:K arms are valued from each step's proposals (which cost no compute).
         self.history_arm_tokens = 0
         if self.selector is not None and self.history is not None:
@@ -772,7 +774,6 @@ class _Rollout:
     def begin(self) -> None:
         """Prefill; the clock of ``stats.total_seconds`` starts here."""
         self._begin = self._now()
-        self._progress = None
         if self.config.show_progress:
             from tqdm.auto import tqdm
 
@@ -783,6 +784,8 @@ class _Rollout:
     @torch.no_grad()
     def step(self) -> bool:
         """One decode step of the active rows (after :meth:`begin`); False once every row has finished."""
+        if self._begin is None:
+            raise RuntimeError("Call rollout.begin() (the prefill) before rollout.step().")
         if self.rows.seq.shape[0] == 0:
             return False
         before = self.stats.generated_tokens
