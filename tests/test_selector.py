@@ -260,3 +260,36 @@ def test_the_drafters_catch_up_after_plain_steps_is_not_charged_to_the_strategy(
     assert selector.relative_cost(arm, 1) == pytest.approx(step / plain)
     selector.observe(arm, 1, 3, step + 5 * plain)
     assert selector.relative_cost(arm, 1) > 1.3 * step / plain  # the same seconds without the catch-up count
+
+
+def test_a_speculative_step_dearer_than_believed_is_learnt_fast():
+    """One step that cost twice its estimate moves the estimate half way (the loss is now); one that cost half
+    moves it a fifth of the way (a gain forgone can wait for more evidence)."""
+    arm = ARMS[0]
+    selector = StrategySelector([arm], synthetic_profile(), exploration=0.0, cost_pessimism=0.5, cost_smoothing=0.2)
+    step = selector.profile.step_seconds(arm, 64)
+    selector.observe(arm, 64, 64, step)
+    base = selector.relative_cost(arm, 64)
+    selector.observe(arm, 64, 64, 2 * step)
+    assert selector.relative_cost(arm, 64) == pytest.approx(base * 2 ** 0.5)
+    selector.observe(arm, 64, 64, 0.25 * step)
+    assert selector.relative_cost(arm, 64) == pytest.approx(base * (2 ** 0.5) ** 0.8 * 0.25 ** 0.2)  # = base
+
+
+def test_profile_repeats_are_spread_over_passes_so_one_burst_does_not_stick(monkeypatch):
+    """A burst of slowness lasting a few timings hit both back-to-back repeats of batch 4's plain step; timed in
+    separate passes over the table, the burst hits one of them and the fastest is kept."""
+    from tlt_trainers.rollout import costs
+
+    model = tiny_model("llama")
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    calls = []
+
+    def fake_timed(fn, sync):
+        fn()
+        calls.append(len(calls))
+        return 10.0 if len(calls) in (1, 2) else 1.0  # the first two timings fall into a burst
+
+    monkeypatch.setattr(costs, "_timed", fake_timed)
+    profile = costs.profile_costs(engine.target, None, [parse_strategy("chain:2")], [4], context=8, repeats=2)
+    assert profile.verify == {(4, 1): 1.0, (4, 3): 1.0}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,67 +84,99 @@ class CostProfile:
                 "seconds_spent": self.seconds_spent}
 
 
+def _verify_runs(target, batch: int, token_counts: list[int], context: int) -> dict[int, Callable[[], None]]:
+    """One policy forward (decoder, LM head, softmax) over q new tokens per row, per q, on a fresh cache."""
+    device = target.device
+    state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
+                     torch.full((batch,), context, dtype=torch.long, device=device))
+    cache = target.new_cache(context + max(token_counts) + 1)
+    runs = {}
+    for q in token_counts:
+        slots = context + torch.arange(q, device=device).expand(batch, -1)
+        tokens = torch.randint(0, target.vocab_size, (batch, q), device=device)
+        mask = target.attention_mask(state, slots, context + q)
+
+        def run(tokens=tokens, slots=slots, mask=mask, q=q):
+            cache.plan = WritePlan(slots, context + q)
+            hidden = target.forward(tokens, slots, mask, cache)
+            torch.softmax(target.logits(hidden), dim=-1)
+
+        runs[q] = run
+    runs[token_counts[0]]()  # allocates the cache and warms kernels up
+    return runs
+
+
+def _draft_runs(target, drafter, batch: int, widths: list[int], context: int) -> dict[int, Callable[[], None]]:
+    """One drafter pass over ``width`` tokens per row (and its top-k), per width."""
+    device = target.device
+    state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
+                     torch.full((batch,), context, dtype=torch.long, device=device))
+    kv = RowKV(context + max(widths) + 1)
+    runs = {}
+    for width in widths:
+        slots = context + torch.arange(width, device=device).expand(batch, -1)
+        mask = additive_mask(attention_allowed(state, slots, context + width), target.dtype)
+        hidden = torch.zeros(batch, width, drafter.config.hidden_size, dtype=target.dtype, device=device)
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+
+        def run(hidden=hidden, tokens=tokens, slots=slots, mask=mask, width=width):
+            out = drafter(hidden, tokens, slots, mask, kv, slots, context + width)
+            torch.log_softmax(drafter.logits(out), dim=-1).topk(max(widths), dim=-1)
+
+        runs[width] = run
+    runs[widths[0]]()
+    return runs
+
+
 @torch.no_grad()
 def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list[int], context: int,
-                  profile: CostProfile | None = None, repeats: int = 2) -> CostProfile:
+                  profile: CostProfile | None = None, repeats: int = 3) -> CostProfile:
     """Measure what ``strategies`` need at ``batch_sizes`` (skipping sizes already in ``profile``).
 
     Token counts are measured in increasing order per batch size and stop once a forward costs more
     than the most any remaining strategy could emit per row: such strategies cannot pay there. Each
-    entry is the fastest of ``repeats`` timings (single timings on a busy CPU were off by up to 2x).
+    entry is the fastest of ``repeats`` timings taken in separate passes over the whole table: a busy
+    CPU's bursts of slowness last seconds, so back-to-back repeats fell into the same burst (batch 64's
+    plain step once read 1.7x its real cost, and every strategy there looked cheap relative to it).
     """
     profile = profile or CostProfile()
     todo = sorted(set(batch_sizes) - set(profile.batch_sizes()))
     if not todo:
         return profile
     begin = time.perf_counter()
-    device = target.device
-    sync = device.type == "cuda"
+    sync = target.device.type == "cuda"
     token_counts = sorted({1} | {s.tokens_per_row for s in strategies}
                           | {w + 1 for s in strategies for w in s.history_widths})
     widths = sorted({1} | {s.width for s in strategies if s.kind == "tree"})
-    for batch in todo:
-        capacity = context + token_counts[-1] + 1
-        state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
-                         torch.full((batch,), context, dtype=torch.long, device=device))
-        cache = target.new_cache(capacity)
-        base = None
+    verify: dict[tuple[int, int], float] = {}
+    draft: dict[tuple[int, int], float] = {}
+    measured: dict[int, list[int]] = {}
+    for batch in todo:  # first pass: which token counts are worth measuring
+        runs = _verify_runs(target, batch, token_counts, context)
+        measured[batch] = []
         for q in token_counts:
             best_possible = max((s.max_emitted for s in strategies if s.tokens_per_row >= q), default=1)
-            if base is not None and profile.verify[(batch, token_counts[token_counts.index(q) - 1])] > \
-                    best_possible * base:
+            if measured[batch] and verify[(batch, measured[batch][-1])] > best_possible * verify[(batch, 1)]:
                 break
-            slots = context + torch.arange(q, device=device).expand(batch, -1)
-            tokens = torch.randint(0, target.vocab_size, (batch, q), device=device)
-            mask = target.attention_mask(state, slots, context + q)
-
-            def run(tokens=tokens, slots=slots, mask=mask, q=q, cache=cache):
-                cache.plan = WritePlan(slots, context + q)
-                hidden = target.forward(tokens, slots, mask, cache)
-                torch.softmax(target.logits(hidden), dim=-1)
-
-            if base is None:
-                run()  # allocates the cache and warms kernels up
-            profile.verify[(batch, q)] = min(_timed(run, sync) for _ in range(repeats))
-            base = base or profile.verify[(batch, 1)]
+            verify[(batch, q)] = _timed(runs[q], sync)
+            measured[batch].append(q)
+        del runs
         if drafter is not None:
-            kv = RowKV(context + max(widths) + 1)
-            hidden_size = drafter.config.hidden_size
+            runs = _draft_runs(target, drafter, batch, widths, context)
             for width in widths:
-                slots = context + torch.arange(width, device=device).expand(batch, -1)
-                allowed = attention_allowed(state, slots, context + width)
-                mask = additive_mask(allowed, target.dtype)
-                hidden = torch.zeros(batch, width, hidden_size, dtype=target.dtype, device=device)
-                tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-
-                def run_draft(hidden=hidden, tokens=tokens, slots=slots, mask=mask, width=width, kv=kv):
-                    out = drafter(hidden, tokens, slots, mask, kv, slots, context + width)
-                    torch.log_softmax(drafter.logits(out), dim=-1).topk(max(widths), dim=-1)
-
-                run_draft()
-                profile.draft[(batch, width)] = min(_timed(run_draft, sync) for _ in range(repeats))
-    profile.verify = monotone_envelope(profile.verify)
-    profile.draft = monotone_envelope(profile.draft)
+                draft[(batch, width)] = _timed(runs[width], sync)
+    for _ in range(repeats - 1):
+        for batch in todo:
+            runs = _verify_runs(target, batch, measured[batch], context)
+            for q in measured[batch]:
+                verify[(batch, q)] = min(verify[(batch, q)], _timed(runs[q], sync))
+            del runs
+            if drafter is not None:
+                runs = _draft_runs(target, drafter, batch, widths, context)
+                for width in widths:
+                    draft[(batch, width)] = min(draft[(batch, width)], _timed(runs[width], sync))
+    profile.verify = monotone_envelope({**profile.verify, **verify})
+    profile.draft = monotone_envelope({**profile.draft, **draft})
     profile.seconds_spent += time.perf_counter() - begin
     return profile
 

@@ -38,13 +38,14 @@ class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
                  explore_below: float = 1.3, min_speedup: float = 1.25, bucket_weight: float = 8.0,
-                 refresh_steps: int = 32):
+                 refresh_steps: int = 32, cost_pessimism: float = 0.5):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
         self.exploration = exploration
         self.prior_steps = prior_steps
         self.cost_smoothing = cost_smoothing
+        self.cost_pessimism = cost_pessimism
         self.explore_below = explore_below
         self.min_speedup = min_speedup
         self.bucket_weight = bucket_weight
@@ -211,6 +212,11 @@ class StrategySelector:
         key = (bucket, strategy.name)
         old = self.correction.get(key)
         alpha = self.cost_smoothing
+        if strategy.kind != "none" and old is not None and ratio > old:
+            # Pessimism is learnt fast, optimism slowly: a speculative step dearer than believed is a loss now,
+            # one cheaper than believed only a gain forgone. (Not for plain steps: a slow plain pace would make
+            # every speculative step look cheap against it.)
+            alpha = max(alpha, self.cost_pessimism)
         self.correction[key] = ratio if old is None else math.exp((1 - alpha) * math.log(old) + alpha * math.log(ratio))
 
     def summary(self) -> dict:
