@@ -293,3 +293,54 @@ def test_profile_repeats_are_spread_over_passes_so_one_burst_does_not_stick(monk
     monkeypatch.setattr(costs, "_timed", fake_timed)
     profile = costs.profile_costs(engine.target, None, [parse_strategy("chain:2")], [4], context=8, repeats=2)
     assert profile.verify == {(4, 1): 1.0, (4, 3): 1.0}
+
+
+def test_history_proposals_are_not_computed_where_even_certain_matches_cannot_pay():
+    """Proposals for every row cost milliseconds a step at large batch; where a chain of w fully accepted could
+    not reach ``min_speedup`` the selector does not ask for them, and chooses what it would have chosen."""
+    arm = parse_strategy("history:8")
+    profile = CostProfile()  # batch 64 as on this CPU: each verified token costs 0.6 of a plain step
+    for batch, slope in ((1, 0.01), (64, 0.6)):
+        for q in (1, 2, 3, 5, 9):
+            profile.verify[(batch, q)] = 0.01 * batch ** 0.5 * (1 + slope * (q - 1))
+    asked = []
+
+    def proposals(share):
+        def compute():
+            asked.append(share)
+            return [share * w for w in range(1, 9)]
+        return compute
+
+    selector = StrategySelector([arm], profile, exploration=0.0)
+    assert selector.history_bound(arm, 64) < selector.min_speedup  # calibration 0.5: nothing can pay at 64
+    assert selector.choose(64, proposals(1.0)) == NONE and asked == []
+    assert selector.choose(1, proposals(1.0)) == Strategy("history", history=8) and asked == [1.0]
+    selector.observe(Strategy("history", history=8), 1, 9, profile.step_seconds(Strategy("history", history=8), 1),
+                     accepted=8)
+    selector.history_outcomes.extend([(1, 64, 1000, 1000)] * 20)  # calibrated at 64: matches come true
+    assert selector.history_bound(arm, 64) > selector.min_speedup
+    assert selector.choose(64, proposals(0.9)).kind == "history" and asked == [1.0, 0.9]
+
+
+def test_profile_skips_token_counts_that_cannot_reach_min_speedup(monkeypatch):
+    """A forward over q tokens per row costing 2q - 1 plain steps: chain:4 emits at most 5 tokens, so at
+    min_speedup 1.25 its 5-token forward is not worth timing once 3 tokens cost 5 plain steps."""
+    from tlt_trainers.rollout import costs
+
+    model = tiny_model("llama")
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    arms = [parse_strategy("chain:2"), parse_strategy("chain:4")]
+
+    def fake_timed(fn, sync):
+        fn()
+        return 2.0 * engine.target.model.model.layers[0].self_attn.q_proj.last_q - 1
+
+    def remember_q(module, args):
+        module.last_q = args[0].shape[1]
+
+    engine.target.model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(remember_q)
+    monkeypatch.setattr(costs, "_timed", fake_timed)
+    loose = costs.profile_costs(engine.target, None, arms, [2], context=8, repeats=1)
+    tight = costs.profile_costs(engine.target, None, arms, [2], context=8, repeats=1, min_speedup=1.25)
+    assert loose.verify == {(2, 1): 1.0, (2, 3): 5.0, (2, 5): 9.0}
+    assert tight.verify == {(2, 1): 1.0, (2, 3): 5.0}

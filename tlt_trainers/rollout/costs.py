@@ -130,11 +130,12 @@ def _draft_runs(target, drafter, batch: int, widths: list[int], context: int) ->
 
 @torch.no_grad()
 def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list[int], context: int,
-                  profile: CostProfile | None = None, repeats: int = 3) -> CostProfile:
+                  profile: CostProfile | None = None, repeats: int = 3, min_speedup: float = 1.0) -> CostProfile:
     """Measure what ``strategies`` need at ``batch_sizes`` (skipping sizes already in ``profile``).
 
     Token counts are measured in increasing order per batch size and stop once a forward costs more
-    than the most any remaining strategy could emit per row: such strategies cannot pay there. Each
+    than the most any remaining strategy could emit per row, over ``min_speedup``: such strategies cannot
+    pay there (at batch 64 on this CPU that skips forwards of 4-6 seconds each). Each
     entry is the fastest of ``repeats`` timings taken in separate passes over the whole table: a busy
     CPU's bursts of slowness last seconds, so back-to-back repeats fell into the same burst (batch 64's
     plain step once read 1.7x its real cost, and every strategy there looked cheap relative to it).
@@ -156,7 +157,8 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
         measured[batch] = []
         for q in token_counts:
             best_possible = max((s.max_emitted for s in strategies if s.tokens_per_row >= q), default=1)
-            if measured[batch] and verify[(batch, measured[batch][-1])] > best_possible * verify[(batch, 1)]:
+            if measured[batch] and \
+                    verify[(batch, measured[batch][-1])] * min_speedup > best_possible * verify[(batch, 1)]:
                 break
             verify[(batch, q)] = _timed(runs[q], sync)
             measured[batch].append(q)

@@ -141,7 +141,8 @@ class SpeculativeGenerator:
         cap = self.config.max_speculative_batch_size
         if cap is not None:
             sizes = [b for b in sizes if b <= cap]
-        return profile_costs(self.target, self.drafter, self.strategies, sizes, context, self.cost_profile)
+        return profile_costs(self.target, self.drafter, self.strategies, sizes, context, self.cost_profile,
+                             min_speedup=self.config.min_speedup)
 
     # ------------------------------------------------------------------ public entry
     @torch.no_grad()
@@ -764,8 +765,8 @@ class _Rollout:
         if self.selector is None:
             strategy = self.fixed
         else:
-            expected = self._history_expected(self.history_arm_tokens) if self.history_arm_tokens else None
-            strategy = self.selector.choose(batch, expected)
+            tokens = self.history_arm_tokens
+            strategy = self.selector.choose(batch, (lambda: self._history_expected(tokens)) if tokens else None)
         if strategy.kind == "chain" and strategy.depth >= remaining:
             return Strategy("chain", depth=remaining - 1, num_nodes=remaining - 1)
         return strategy

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..spec.strategy import NONE, Strategy, tlt_prior
 from .costs import CostProfile, selector_bucket
@@ -154,19 +154,38 @@ class StrategySelector:
                 best_value, best = value, chain
         return best_value, best
 
+    def history_bound(self, arm: Strategy, batch: int) -> float:
+        """The most a ``history:K`` arm could be worth at ``batch``: every proposed token certain to be accepted
+        (a chain of w predicts at most w accepted tokens per row)."""
+        kappa = self.history_calibration(batch)
+        bound = 0.0
+        for w in arm.history_widths:
+            cost = self.relative_cost(Strategy("history", history=w), batch)
+            if math.isfinite(cost):
+                bound = max(bound, (1.0 + kappa * w) / cost)
+        return bound
+
     # --------------------------------------------------------------- decisions
-    def choose(self, batch: int, history_expected: Sequence[float] | None = None) -> Strategy:
+    def choose(self, batch: int,
+               history_expected: Sequence[float] | Callable[[], Sequence[float]] | None = None) -> Strategy:
         """The strategy with the best (optimistic) expected speedup, if it beats plain decoding by ``min_speedup``:
         a predicted gain of a few percent is within the noise of the estimates, and plain decoding is the safe bet.
 
         ``history_expected[w - 1]``: accepted tokens per row this step's history proposals predict for a chain of
-        w; given, it values the ``history:K`` arms instead of their running mean.
+        w; given, it values the ``history:K`` arms instead of their running mean. A callable is asked only where
+        the arm could win with every proposal accepted: at large batch on a CPU it cannot, and computing the
+        proposals for every row was the engine's largest cost outside the forward there.
         """
         best, best_value = NONE, self.min_speedup
         self._history_prediction = None
+        expected = None
         for strategy in self.strategies:
             if strategy.kind == "history" and history_expected is not None:
-                value, strategy = self.history_speedup(strategy, batch, history_expected)
+                if self.history_bound(strategy, batch) <= best_value:
+                    continue
+                if expected is None:
+                    expected = history_expected() if callable(history_expected) else history_expected
+                value, strategy = self.history_speedup(strategy, batch, expected)
             else:
                 value = self.speedup(strategy, batch, optimism=True)
             if value > best_value:
@@ -175,8 +194,8 @@ class StrategySelector:
         seen = self.plain_seen.get(bucket)
         if best.kind != "none" and seen is not None and self.steps - seen >= self.refresh_steps:
             best = NONE  # the bucket's plain pace is stale: measure it again before comparing against it
-        if best.kind == "history" and history_expected is not None:
-            self._history_prediction = (best, history_expected[best.history - 1] * batch)
+        if best.kind == "history" and expected is not None:
+            self._history_prediction = (best, expected[best.history - 1] * batch)
         counts = self.chosen.setdefault(bucket, {})
         counts[best.name] = counts.get(best.name, 0) + 1
         return best
