@@ -84,11 +84,16 @@ class CostProfile:
                 "seconds_spent": self.seconds_spent}
 
 
+def _rows_at(batch: int, context: int, device) -> RowState:
+    """``batch`` unpadded rows with ``context`` cached tokens each."""
+    return RowState(torch.zeros(batch, dtype=torch.long, device=device),
+                    torch.full((batch,), context, dtype=torch.long, device=device))
+
+
 def _verify_runs(target, batch: int, token_counts: list[int], context: int) -> dict[int, Callable[[], None]]:
     """One policy forward (decoder, LM head, softmax) over q new tokens per row, per q, on a fresh cache."""
     device = target.device
-    state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
-                     torch.full((batch,), context, dtype=torch.long, device=device))
+    state = _rows_at(batch, context, device)
     cache = target.new_cache(context + max(token_counts) + 1)
     runs = {}
     for q in token_counts:
@@ -109,8 +114,7 @@ def _verify_runs(target, batch: int, token_counts: list[int], context: int) -> d
 def _draft_runs(target, drafter, batch: int, widths: list[int], context: int) -> dict[int, Callable[[], None]]:
     """One drafter pass over ``width`` tokens per row (and its top-k), per width."""
     device = target.device
-    state = RowState(torch.zeros(batch, dtype=torch.long, device=device),
-                     torch.full((batch,), context, dtype=torch.long, device=device))
+    state = _rows_at(batch, context, device)
     kv = RowKV(context + max(widths) + 1)
     runs = {}
     for width in widths:
@@ -163,20 +167,17 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
             verify[(batch, q)] = _timed(runs[q], sync)
             measured[batch].append(q)
         del runs
-        if drafter is not None:
-            runs = _draft_runs(target, drafter, batch, widths, context)
-            for width in widths:
-                draft[(batch, width)] = _timed(runs[width], sync)
-    for _ in range(repeats - 1):
+    for repeat in range(repeats):  # the first pass timed the policy once already
         for batch in todo:
-            runs = _verify_runs(target, batch, measured[batch], context)
-            for q in measured[batch]:
-                verify[(batch, q)] = min(verify[(batch, q)], _timed(runs[q], sync))
-            del runs
+            if repeat > 0:
+                runs = _verify_runs(target, batch, measured[batch], context)
+                for q in measured[batch]:
+                    verify[(batch, q)] = min(verify[(batch, q)], _timed(runs[q], sync))
+                del runs
             if drafter is not None:
                 runs = _draft_runs(target, drafter, batch, widths, context)
                 for width in widths:
-                    draft[(batch, width)] = min(draft[(batch, width)], _timed(runs[width], sync))
+                    draft[(batch, width)] = min(draft.get((batch, width), math.inf), _timed(runs[width], sync))
     profile.verify = monotone_envelope({**profile.verify, **verify})
     profile.draft = monotone_envelope({**profile.draft, **draft})
     profile.seconds_spent += time.perf_counter() - begin
