@@ -8,11 +8,10 @@ whose head does something we do not reproduce is refused instead of silently sam
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
+from .cpu_paths import CpuDecodePaths
 from .kv_cache import RowCache, RowState, additive_mask, attention_allowed, tree_attention_allowed
 
 
@@ -56,49 +55,6 @@ def _cpu_head(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
-FEW_ROWS = 16
-
-
-def _few_row_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` computed as ``(W @ x.T).T`` when x has 2-16 rows and no gradient is wanted.
-
-    On a 2-core AVX2 CPU with MKL, ``F.linear`` at a few rows runs far below the memory-bound speed its
-    weights allow: SmolLM2-135M's 30 decoder layers take 46 ms at 1 row, 91 ms at 5 rows and 95 ms at 8, while
-    the transposed product takes 36, 42 and 56 ms. That made a 5-token verify cost 1.6-1.9 plain steps at
-    batch 1 and every plain step at batch 2-8 dearer than needed. A single row keeps ``F.linear`` (duplicating it
-    costs more than it saves across 210 layers), and so does anything with a gradient (the user's training).
-    """
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    if rows < 2 or rows > FEW_ROWS or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
-        return nn.functional.linear(x, module.weight, module.bias)
-    out = (module.weight @ flat.t()).t()
-    if module.bias is not None:
-        out = out + module.bias
-    return out.contiguous().reshape(*x.shape[:-1], module.weight.shape[0])
-
-
-class _FewRowLinears:
-    """Routes the decoder's float32 CPU ``nn.Linear`` layers through :func:`_few_row_linear` while active.
-
-    The forward is set on the module instances for the duration of one engine forward and removed after, so
-    the user's model is unchanged outside it (no deepcopy, pickling or training sees the patch). Another thread
-    running the same decoder meanwhile gets one product or the other, which agree to float32 rounding.
-    """
-
-    def __init__(self, decoder: nn.Module):
-        self.linears = [m for m in decoder.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
-                        and m.weight.dtype == torch.float32]
-
-    def __enter__(self):
-        for module in self.linears:
-            module.forward = partial(_few_row_linear, module)
-
-    def __exit__(self, *exc):
-        for module in self.linears:
-            module.__dict__.pop("forward", None)
-
-
 class TargetModel:
     """Runs the policy's decoder on a :class:`RowCache` and its head in float32."""
 
@@ -121,7 +77,7 @@ class TargetModel:
         head = self.head
         self._head_as_weight_times_hidden = (type(head) is nn.Linear and head.bias is None
                                              and head.weight.device.type == "cpu")
-        self._few_row_linears = _FewRowLinears(self.decoder)
+        self._cpu_paths = CpuDecodePaths(self.decoder, self.config)
 
     @property
     def device(self) -> torch.device:
@@ -155,7 +111,7 @@ class TargetModel:
 
     def forward(self, input_ids, position_ids, attention_mask, cache: RowCache) -> torch.Tensor:
         """Final (normed) hidden states [B, q, H] of the policy."""
-        with self._few_row_linears:
+        with self._cpu_paths:
             out = self.decoder(
                 input_ids=input_ids,
                 position_ids=position_ids,
