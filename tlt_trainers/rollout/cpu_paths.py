@@ -11,6 +11,7 @@ from functools import partial
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 FEW_ROWS = 48
@@ -26,10 +27,14 @@ def _few_row_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     time at 8-48 rows, 0.97-1.03x from 64 rows on (so those keep ``F.linear``). A single row keeps ``F.linear``
     (duplicating it costs more than it saves across 210 layers), and so does anything with a gradient.
     """
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    if rows < 2 or rows > FEW_ROWS or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
-        return nn.functional.linear(x, module.weight, module.bias)
+    weight = module.weight
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x
+    rows = flat.shape[0] if x.dim() > 1 else 1
+    stock = (rows < 2 or rows > FEW_ROWS or weight.device.type != "cpu" or weight.dtype != torch.float32
+             or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    if stock:
+        return nn.functional.linear(x, weight, module.bias)
     out = (module.weight @ flat.t()).t()
     if module.bias is not None:
         out = out + module.bias
@@ -59,31 +64,41 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
 
 SDPA_GQA = "tlt_sdpa_gqa"
 AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
+# Masks are built exactly as for "sdpa" (an unregistered name would make transformers drop 2-D masks).
+ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
 
 
 class CpuDecodePaths:
     """While active, the policy's decoder runs the CPU paths above; outside it, the user's model is untouched.
 
     The linears' forward is set on the module instances and the attention implementation on the config for
-    the duration of one engine forward, then removed, so no deepcopy, pickling or training step sees them.
-    Only a model on ``sdpa`` switches attention (eager or flash stay as chosen). Another thread running the
-    same decoder meanwhile gets one path or the other, which agree to float32 rounding (attention: exactly).
+    the duration of one engine forward, then put back, so no deepcopy, pickling or training step sees them.
+    Only what is in its stock state at entry is switched: a model on ``eager`` or a flash kernel keeps its
+    choice, a linear that already carries an instance forward (an accelerate hook, or an outer activation of
+    this context) keeps it, and a nested activation leaves the outer one's switches alone. Another thread
+    running the same decoder meanwhile gets one path or the other, which agree to float32 rounding.
     """
 
     def __init__(self, decoder: nn.Module, config):
-        self.linears = [m for m in decoder.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
-                        and m.weight.dtype == torch.float32]
-        on_cpu = any(p.device.type == "cpu" for p in decoder.parameters())
-        self.config = config if on_cpu and getattr(config, "_attn_implementation", None) == "sdpa" else None
+        self.linears = [m for m in decoder.modules() if type(m) is nn.Linear]
+        self.config = config if any(p.device.type == "cpu" for p in decoder.parameters()) else None
+        self._patched: list[nn.Linear] = []
+        self._previous_attention: str | None = None
 
     def __enter__(self):
-        for module in self.linears:
+        self._patched = [m for m in self.linears if "forward" not in m.__dict__ and m.weight.device.type == "cpu"
+                         and m.weight.dtype == torch.float32]
+        for module in self._patched:
             module.forward = partial(_few_row_linear, module)
-        if self.config is not None:
+        self._previous_attention = None
+        if self.config is not None and self.config._attn_implementation == "sdpa":
+            self._previous_attention = "sdpa"
             self.config._attn_implementation = SDPA_GQA
 
     def __exit__(self, *exc):
-        for module in self.linears:
+        for module in self._patched:
             module.__dict__.pop("forward", None)
-        if self.config is not None:
-            self.config._attn_implementation = "sdpa"
+        self._patched = []
+        if self._previous_attention is not None:
+            self.config._attn_implementation = self._previous_attention
+            self._previous_attention = None
