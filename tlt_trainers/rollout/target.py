@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_paths import CpuDecodePaths
+from .cpu_paths import CpuDecodePaths, cpu_head
 from .kv_cache import RowCache, RowState, additive_mask, attention_allowed, tree_attention_allowed
 
 
@@ -37,22 +37,6 @@ def apply_logit_transform(logits: torch.Tensor, softcap: float | None, scale: fl
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
-
-
-def _cpu_head(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T`` computed as ``(weight @ hidden.T).T`` on one row more than one.
-
-    The same product, but MKL's path for it is 3-7x faster at the few rows a decode or verify step has (a
-    49152 x 576 head on a 2-core AMD EPYC: 1 row 9.9 -> 3.3 ms, 2 rows 22.8 -> 4.4 ms, 3 rows 33.1 -> 7.0 ms,
-    16+ rows equal); the head is a quarter of a batch-1 step there. A single row goes through as two: the
-    matrix-vector path is the slow one. Results agree with F.linear to float32 rounding (<1e-5).
-    """
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    rows = flat.shape[0]
-    if rows == 1:
-        flat = torch.cat([flat, flat])
-    out = (weight @ flat.t()).t()[:rows].contiguous()
-    return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
 class TargetModel:
@@ -123,7 +107,7 @@ class TargetModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._head_as_weight_times_hidden:
-            logits = _cpu_head(self.head.weight, hidden)
+            logits = cpu_head(self.head.weight, hidden)
         else:
             logits = self.head(hidden)
         return apply_logit_transform(logits.to(torch.float32), self.softcap, self.scale)
