@@ -23,8 +23,10 @@ all of them:
   reps and temperatures, as in training, where it learns costs and acceptance online across generate
   calls; one untimed warm-up rollout on other prompts comes first.
 
-The drafter is the benchmarks' warmed-up one (``common.warm_drafter``, cached on disk under the same
-name bench_decode.py uses, so it is trained once), or ``--drafter PATH``.
+The drafter is warmed up on the rollout's own task (``common.warm_drafter``: the policy's answers to other
+prompts of ``--dataset`` at the bench's temperatures, as a TLT drafter trained on earlier rollouts of the same
+task would be; cached on disk, so it is trained once), bench_decode.py's drafter with ``--warmup-dataset
+gsm_symbolic``, or ``--drafter PATH``.
 
 Definitions (seconds are wall time of the generate call; per-step times come from ``stats.trace``):
 
@@ -111,6 +113,10 @@ def parse_args():
     p.add_argument("--train-seconds", type=float, default=240,
                    help="drafter warm-up budget if not cached, default 240 (bench_decode's cache)")
     p.add_argument("--warmup-prompts", type=int, default=96, help="prompts answered for the drafter warm-up")
+    p.add_argument("--warmup-dataset", default="rollout", choices=("rollout", "gsm_symbolic"),
+                   help="task of the drafter warm-up: 'rollout' (default) answers other prompts of --dataset with "
+                        "--instruction at the bench's temperatures up to --max-new-tokens; 'gsm_symbolic' reuses "
+                        "bench_decode.py's drafter (step-by-step gsm_symbolic answers, 160 tokens, T=1 and greedy)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary of the warmed-up drafter")
     p.add_argument("--generate-once", action="store_true",
                    help="time model.generate in the first rep of the first temperature only (the slowest engine by "
@@ -318,11 +324,20 @@ def main():
         if args.drafter:
             drafter, warm_info = EagleDrafter.from_pretrained(args.drafter, target=model), {"path": args.drafter}
         else:
-            # Same arguments as bench_decode.py (full settings) so its cached drafter is reused.
+            if args.warmup_dataset == "gsm_symbolic":  # bench_decode.py's arguments, so its cache is reused
+                task, cache_name = {}, f"bench-smollm2-v{args.draft_vocab}-p{args.warmup_prompts}"
+                warm_tokens = 160
+            else:
+                dataset = args.dataset
+                warm_tokens = args.max_new_tokens
+                task = {"dataset": dataset, "instruction": args.instruction,
+                        "temperatures": tuple(args.temperatures)}
+                temps = "-".join(f"{t:g}" for t in args.temperatures)
+                cache_name = (f"bench-smollm2-{dataset}-t{temps}-n{warm_tokens}-v{args.draft_vocab}"
+                              f"-p{args.warmup_prompts}")
             drafter, warm_info = warm_drafter(
-                model, tok, prompts=args.warmup_prompts, new_tokens=160, train_seconds=args.train_seconds,
-                draft_vocab=args.draft_vocab,
-                cache_name=f"bench-smollm2-v{args.draft_vocab}-p{args.warmup_prompts}-s{int(args.train_seconds)}")
+                model, tok, prompts=args.warmup_prompts, new_tokens=warm_tokens, train_seconds=args.train_seconds,
+                draft_vocab=args.draft_vocab, cache_name=f"{cache_name}-s{int(args.train_seconds)}", **task)
         drafter.to(device)
 
     engines = {}

@@ -76,20 +76,28 @@ def frequent_tokens(batches, count: int, vocab_size: int) -> torch.Tensor:
 
 
 def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_seconds: float,
-                 draft_vocab: int = 4096, seed: int = 0, cache_name: str | None = None, log=print):
-    """A drafter trained briefly on the policy's own answers (cached on disk when ``cache_name`` is given)."""
+                 draft_vocab: int = 4096, seed: int = 0, cache_name: str | None = None,
+                 dataset: str = "gsm_symbolic", instruction: str = " Think step by step.",
+                 temperatures: tuple[float, ...] = (1.0, 0.0), log=print):
+    """A drafter trained briefly on the policy's own answers (cached on disk when ``cache_name`` is given).
+
+    The answers come from ``prompts`` questions of ``dataset`` (seed ``1000 + seed``, apart from the benchmarks'
+    rollout prompts), split evenly between ``temperatures`` (0 is greedy): the data a TLT drafter sees in training
+    is the policy's rollouts on the task being trained, at the rollout temperature.
+    """
     cache = cache_root() / "drafters" / cache_name if cache_name else None
     if cache is not None and (cache / "config.json").is_file():
         log(f"loading warmed-up drafter from {cache}")
         return EagleDrafter.from_pretrained(cache, target=model), {"cached": str(cache)}
-    texts = math_prompts(tokenizer, prompts, seed=1000 + seed)
+    texts = math_prompts(tokenizer, prompts, seed=1000 + seed, dataset=dataset, instruction=instruction)
     start = time.perf_counter()
-    half = len(texts) // 2
-    batches = sample_answers(model, tokenizer, texts[:half], new_tokens, 1.0, seed)
-    batches += sample_answers(model, tokenizer, texts[half:], new_tokens, 0.0, seed)
+    share = -(-len(texts) // len(temperatures))
+    batches = []
+    for i, temperature in enumerate(temperatures):
+        batches += sample_answers(model, tokenizer, texts[i * share : (i + 1) * share], new_tokens, temperature, seed)
     sampling_seconds = time.perf_counter() - start
     tokens = sum(int(m[:, p:].sum()) for _, m, p in batches)
-    log(f"sampled {tokens} answer tokens in {sampling_seconds:.0f}s")
+    log(f"sampled {tokens} answer tokens in {sampling_seconds:.0f}s ({dataset}, T={list(temperatures)})")
     torch.manual_seed(seed)
     drafter = EagleDrafter.from_target(model, draft_vocab_size=draft_vocab)
     drafter.set_draft_vocab(frequent_tokens(batches, draft_vocab, drafter.config.vocab_size))
@@ -101,7 +109,9 @@ def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_secon
     metrics = trainer.train_on_sequences(ids, mask, max_seconds=train_seconds)
     log(f"drafter trained {metrics['steps']} steps in {metrics['seconds']:.0f}s: loss {metrics['loss']:.3f}, "
         f"top-1 agreement {metrics['top1']:.2f}")
-    info = {"answer_tokens": tokens, "sampling_seconds": sampling_seconds, **metrics}
+    info = {"answer_tokens": tokens, "sampling_seconds": sampling_seconds, "dataset": dataset,
+            "instruction": instruction, "prompts": prompts, "new_tokens": new_tokens,
+            "temperatures": list(temperatures), **metrics}
     if cache is not None:
         drafter.save_pretrained(cache)
     return drafter, info
