@@ -151,3 +151,26 @@ def test_mismatched_or_corrupt_checkpoints_are_errors(model, rollouts, tmp_path)
 def test_empty_buffer_is_a_clear_error(model):
     with pytest.raises(ValueError, match="buffer is empty"):
         DrafterTrainer(EagleDrafter.from_target(model), model).train(max_steps=1)
+
+
+def test_add_sequences_trims_padding_and_keeps_row_order(model):
+    """Chunks of similar length, cut to the columns they use, give each row the features of its own forward."""
+    drafter = EagleDrafter.from_target(model)
+    rows = [[5, 6, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], [8, 9], [4, 4, 4, 4, 4], [7]]
+    width = 14
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):  # left-padded prompts, right-padded answers, as a rollout returns them
+        left = 2 + i % 3
+        ids[i, left : left + len(row)] = torch.tensor(row)
+        mask[i, left : left + len(row)] = 1
+    trainer = DrafterTrainer(drafter, model)
+    assert trainer.add_sequences(ids, mask, chunk=2) == 4  # the one-token row has no (feature, next token) pair
+    alone = DrafterTrainer(drafter, model)
+    for row in rows[:4]:
+        alone.add_sequences(torch.tensor([row]))
+    assert [seq.tokens.tolist() for seq in trainer.buffer.sequences] == rows[:4]
+    for ours, theirs in zip(trainer.buffer.sequences, alone.buffer.sequences):
+        assert torch.allclose(ours.features, theirs.features, atol=1e-5)
+    with pytest.raises(ValueError, match="must have input_ids' shape"):
+        trainer.add_sequences(ids, mask[:, :-1])

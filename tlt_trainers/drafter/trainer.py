@@ -83,23 +83,38 @@ class DrafterTrainer:
     # ------------------------------------------------------------------ data in
     @torch.no_grad()
     def add_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk: int = 8) -> int:
-        """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer."""
+        """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer.
+
+        Rows run in chunks of similar length, each cut to the columns its rows use: rollouts padded to the
+        longest answer are mostly padding (a 256-token cap with a median answer of ~60 tokens), and the forward
+        over them was most of a warm-up's time budget. Rows enter the buffer in the order given.
+        """
         device = self.target.device
         input_ids = input_ids.to(device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
-        added = 0
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}.")
+        order = mask.sum(dim=1).argsort(descending=True, stable=True)
+        features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for start in range(0, input_ids.shape[0], chunk):
-            ids, m = input_ids[start : start + chunk], mask[start : start + chunk]
+            rows = order[start : start + chunk]
+            m = mask[rows]
+            used = m.any(dim=0).nonzero().squeeze(1)
+            if used.numel() == 0:
+                continue
+            first, last = int(used[0]), int(used[-1]) + 1
+            ids, m = input_ids[rows, first:last], m[:, first:last]
             positions = (m.cumsum(-1) - 1).clamp(min=0)
             hidden = self.target.decoder(input_ids=ids, attention_mask=m, position_ids=positions,
                                          use_cache=False).last_hidden_state
-            for row in range(ids.shape[0]):
-                keep = m[row].bool()
-                tokens = ids[row][keep]
+            for i, row in enumerate(rows.tolist()):
+                keep = m[i].bool()
+                tokens = ids[i][keep]
                 if tokens.numel() >= 2:
-                    self.buffer.add(tokens, hidden[row][keep][:-1])
-                    added += 1
-        return added
+                    features[row] = (tokens, hidden[i][keep][:-1])
+        for row in sorted(features):
+            self.buffer.add(*features[row])
+        return len(features)
 
     def add_features(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Add one rollout whose features the engine's verify passes already computed (no extra forward)."""
