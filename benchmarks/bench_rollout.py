@@ -111,7 +111,8 @@ def parse_args():
                         "default num_prompts; 0 skips it")
     p.add_argument("--drafter", default=None, help="load this saved drafter instead of the cached warmed-up one")
     p.add_argument("--train-seconds", type=float, default=240,
-                   help="drafter warm-up budget if not cached, default 240 (bench_decode's cache)")
+                   help="drafter warm-up budget in seconds if not cached (sampling excluded; the feature forward "
+                        "and training included); 240 with --warmup-dataset gsm_symbolic shares bench_decode's cache")
     p.add_argument("--warmup-prompts", type=int, default=96, help="prompts answered for the drafter warm-up")
     p.add_argument("--warmup-dataset", default="rollout", choices=("rollout", "gsm_symbolic"),
                    help="task of the drafter warm-up: 'rollout' (default) answers other prompts of --dataset with "
