@@ -58,6 +58,7 @@ must be identical to model.generate's. Writes benchmarks/results/bench_rollout[_
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -334,7 +335,8 @@ def main():
                 task = {"dataset": dataset, "instruction": args.instruction,
                         "temperatures": tuple(args.temperatures)}
                 temps = "-".join(f"{t:g}" for t in args.temperatures)
-                cache_name = (f"bench-smollm2-{dataset}-t{temps}-n{warm_tokens}-v{args.draft_vocab}"
+                instruction = hashlib.sha1(args.instruction.encode()).hexdigest()[:6]
+                cache_name = (f"bench-smollm2-{dataset}-i{instruction}-t{temps}-n{warm_tokens}-v{args.draft_vocab}"
                               f"-p{args.warmup_prompts}")
             drafter, warm_info = warm_drafter(
                 model, tok, prompts=args.warmup_prompts, new_tokens=warm_tokens, train_seconds=args.train_seconds,

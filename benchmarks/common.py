@@ -16,6 +16,7 @@ from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLT
 from tlt_trainers.pretrained import cache_root
 
 RESULTS = Path(__file__).parent / "results"
+WARMUP_INFO = "warmup.json"  # beside a cached drafter: the data and training that made it
 
 
 def math_prompts(tokenizer, count: int, seed: int = 0, dataset: str = "gsm_symbolic",
@@ -88,13 +89,16 @@ def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_secon
     cache = cache_root() / "drafters" / cache_name if cache_name else None
     if cache is not None and (cache / "config.json").is_file():
         log(f"loading warmed-up drafter from {cache}")
-        return EagleDrafter.from_pretrained(cache, target=model), {"cached": str(cache)}
+        info = {"cached": str(cache)}
+        if (cache / WARMUP_INFO).is_file():  # how it was made (caches written since this file exists)
+            info.update(json.loads((cache / WARMUP_INFO).read_text()))
+        return EagleDrafter.from_pretrained(cache, target=model), info
     texts = math_prompts(tokenizer, prompts, seed=1000 + seed, dataset=dataset, instruction=instruction)
     start = time.perf_counter()
-    share = -(-len(texts) // len(temperatures))
+    bounds = [i * len(texts) // len(temperatures) for i in range(len(temperatures) + 1)]
     batches = []
     for i, temperature in enumerate(temperatures):
-        batches += sample_answers(model, tokenizer, texts[i * share : (i + 1) * share], new_tokens, temperature, seed)
+        batches += sample_answers(model, tokenizer, texts[bounds[i] : bounds[i + 1]], new_tokens, temperature, seed)
     sampling_seconds = time.perf_counter() - start
     tokens = sum(int(m[:, p:].sum()) for _, m, p in batches)
     log(f"sampled {tokens} answer tokens in {sampling_seconds:.0f}s ({dataset}, T={list(temperatures)})")
@@ -114,6 +118,7 @@ def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_secon
             "temperatures": list(temperatures), **metrics}
     if cache is not None:
         drafter.save_pretrained(cache)
+        (cache / WARMUP_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return drafter, info
 
 

@@ -156,7 +156,7 @@ def test_empty_buffer_is_a_clear_error(model):
 def test_add_sequences_trims_padding_and_keeps_row_order(model):
     """Chunks of similar length, cut to the columns they use, give each row the features of its own forward."""
     drafter = EagleDrafter.from_target(model)
-    rows = [[5, 6, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], [8, 9], [4, 4, 4, 4, 4], [7]]
+    rows = [[5, 6, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], [8, 9], [4, 4, 4, 4, 4], [7], [], []]
     width = 14
     ids = torch.full((len(rows), width), PAD)
     mask = torch.zeros_like(ids)
@@ -165,7 +165,14 @@ def test_add_sequences_trims_padding_and_keeps_row_order(model):
         ids[i, left : left + len(row)] = torch.tensor(row)
         mask[i, left : left + len(row)] = 1
     trainer = DrafterTrainer(drafter, model)
-    assert trainer.add_sequences(ids, mask, chunk=2) == 4  # the one-token row has no (feature, next token) pair
+    widths = []
+    decoder_forward = trainer.target.decoder.forward
+    trainer.target.decoder.forward = lambda **kw: widths.append(kw["input_ids"].shape[1]) or decoder_forward(**kw)
+    try:  # one-token and empty rows have no (feature, next token) pair; a chunk of only an empty row runs none
+        assert trainer.add_sequences(ids, mask, chunk=2) == 4
+    finally:
+        del trainer.target.decoder.forward
+    assert widths == [10, 4, 1]  # longest rows first, each chunk cut to the columns its rows use (of 14)
     alone = DrafterTrainer(drafter, model)
     for row in rows[:4]:
         alone.add_sequences(torch.tensor([row]))

@@ -87,34 +87,40 @@ class DrafterTrainer:
 
         Rows run in chunks of similar length, each cut to the columns its rows use: rollouts padded to the
         longest answer are mostly padding (a 256-token cap with a median answer of ~60 tokens), and the forward
-        over them was most of a warm-up's time budget. Rows enter the buffer in the order given.
+        over them was most of a warm-up's time budget. Rows are sorted within blocks of ``8 * chunk`` taken in
+        the order given, and enter the buffer in that order, so at most one block's features are held at once.
         """
         device = self.target.device
         input_ids = input_ids.to(device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
         if mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {tuple(mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}.")
-        order = mask.sum(dim=1).argsort(descending=True, stable=True)
-        features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for start in range(0, input_ids.shape[0], chunk):
-            rows = order[start : start + chunk]
-            m = mask[rows]
-            used = m.any(dim=0).nonzero().squeeze(1)
-            if used.numel() == 0:
-                continue
-            first, last = int(used[0]), int(used[-1]) + 1
-            ids, m = input_ids[rows, first:last], m[:, first:last]
-            positions = (m.cumsum(-1) - 1).clamp(min=0)
-            hidden = self.target.decoder(input_ids=ids, attention_mask=m, position_ids=positions,
-                                         use_cache=False).last_hidden_state
-            for i, row in enumerate(rows.tolist()):
-                keep = m[i].bool()
-                tokens = ids[i][keep]
-                if tokens.numel() >= 2:
-                    features[row] = (tokens, hidden[i][keep][:-1])
-        for row in sorted(features):
-            self.buffer.add(*features[row])
-        return len(features)
+        real = mask.sum(dim=1)
+        block = 8 * chunk
+        added = 0
+        for first_row in range(0, input_ids.shape[0], block):
+            order = first_row + real[first_row : first_row + block].argsort(descending=True, stable=True)
+            features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for start in range(0, order.shape[0], chunk):
+                rows = order[start : start + chunk]
+                m = mask[rows]
+                used = m.any(dim=0).nonzero().squeeze(1)
+                if used.numel() == 0:
+                    continue
+                lo, hi = int(used[0]), int(used[-1]) + 1
+                ids, m = input_ids[rows, lo:hi], m[:, lo:hi]
+                positions = (m.cumsum(-1) - 1).clamp(min=0)
+                hidden = self.target.decoder(input_ids=ids, attention_mask=m, position_ids=positions,
+                                             use_cache=False).last_hidden_state
+                for i, row in enumerate(rows.tolist()):
+                    keep = m[i].bool()
+                    tokens = ids[i][keep]
+                    if tokens.numel() >= 2:
+                        features[row] = (tokens, hidden[i][keep][:-1])
+            for row in sorted(features):
+                self.buffer.add(*features[row])
+            added += len(features)
+        return added
 
     def add_features(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Add one rollout whose features the engine's verify passes already computed (no extra forward)."""
