@@ -23,10 +23,10 @@ all of them:
   reps and temperatures, as in training, where it learns costs and acceptance online across generate
   calls; one untimed warm-up rollout on other prompts comes first.
 
-The drafter is warmed up on the rollout's own task (``common.warm_drafter``: the policy's answers to other
-prompts of ``--dataset`` at the bench's temperatures, as a TLT drafter trained on earlier rollouts of the same
-task would be; cached on disk, so it is trained once), bench_decode.py's drafter with ``--warmup-dataset
-gsm_symbolic``, or ``--drafter PATH``.
+The drafter is warmed up on the rollout's own task (``common.warm_drafter``, which runs the library's
+``warmup_drafter``: the policy's answers to other prompts of ``--dataset`` at the bench's temperatures, as a TLT
+drafter trained on earlier rollouts of the same task would be; cached on disk, so it is trained once),
+bench_decode.py's drafter with ``--warmup-dataset gsm_symbolic``, or ``--drafter PATH``.
 
 Definitions (seconds are wall time of the generate call; per-step times come from ``stats.trace``):
 
@@ -112,8 +112,8 @@ def parse_args():
                         "default num_prompts; 0 skips it")
     p.add_argument("--drafter", default=None, help="load this saved drafter instead of the cached warmed-up one")
     p.add_argument("--train-seconds", type=float, default=240,
-                   help="drafter warm-up budget in seconds if not cached (sampling excluded; the feature forward "
-                        "and training included); 240 with --warmup-dataset gsm_symbolic shares bench_decode's cache")
+                   help="drafter training budget in seconds if not cached (sampling excluded: it feeds the trainer "
+                        "directly); 240 with --warmup-dataset gsm_symbolic shares bench_decode's cache")
     p.add_argument("--warmup-prompts", type=int, default=96, help="prompts answered for the drafter warm-up")
     p.add_argument("--warmup-dataset", default="rollout", choices=("rollout", "gsm_symbolic"),
                    help="task of the drafter warm-up: 'rollout' (default) answers other prompts of --dataset with "
@@ -330,8 +330,7 @@ def main():
                 task, cache_name = {}, f"bench-smollm2-v{args.draft_vocab}-p{args.warmup_prompts}"
                 warm_tokens = 160
             else:
-                dataset = args.dataset
-                warm_tokens = args.max_new_tokens
+                dataset, warm_tokens = args.dataset, args.max_new_tokens
                 task = {"dataset": dataset, "instruction": args.instruction,
                         "temperatures": tuple(args.temperatures)}
                 temps = "-".join(f"{t:g}" for t in args.temperatures)

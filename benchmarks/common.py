@@ -6,17 +6,17 @@ import json
 import os
 import platform
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers import EagleDrafter
+from tlt_trainers.drafter.warmup import warmup_drafter
 from tlt_trainers.pretrained import cache_root
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP_INFO = "warmup.json"  # beside a cached drafter: the data and training that made it
+WARMUP_VERSION = "w2"  # bump when the warm-up changes what it trains, so old caches are not reused
 
 
 def math_prompts(tokenizer, count: int, seed: int = 0, dataset: str = "gsm_symbolic",
@@ -50,72 +50,31 @@ def count_generated(sequences, prompt_len, tok) -> int:
     return int(completion_mask(sequences, prompt_len, tok.pad_token_id, tok.eos_token_id).sum())
 
 
-def sample_answers(model, tokenizer, prompts, max_new_tokens, temperature, seed, batch_size=48):
-    """The policy's own answers (prompt + completion + masks), sampled with the plain engine."""
-    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        ids, mask = encode(tokenizer, prompts[start : start + batch_size])
-        res = engine.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                              do_sample=temperature > 0, temperature=max(temperature, 1e-5),
-                              eos_token_id=eos, pad_token_id=pad, generator=torch.Generator().manual_seed(seed + start))
-        full_mask = torch.cat([mask, completion_mask(res.sequences, ids.shape[1], pad, eos)], dim=1)
-        out.append((res.sequences, full_mask, ids.shape[1]))
-    return out
-
-
-def frequent_tokens(batches, count: int, vocab_size: int) -> torch.Tensor:
-    """The ``count`` most frequent token ids in the sampled data (ties and unseen filled by lowest id)."""
-    counter = Counter()
-    for seqs, mask, _ in batches:
-        counter.update(seqs[mask.bool()].tolist())
-    ranked = [tok for tok, _ in counter.most_common(count)]
-    seen = set(ranked)
-    ranked += [t for t in range(vocab_size) if t not in seen][: count - len(ranked)]
-    return torch.tensor(ranked[:count])
-
-
 def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_seconds: float,
                  draft_vocab: int = 4096, seed: int = 0, cache_name: str | None = None,
                  dataset: str = "gsm_symbolic", instruction: str = " Think step by step.",
                  temperatures: tuple[float, ...] = (1.0, 0.0), log=print):
-    """A drafter trained briefly on the policy's own answers (cached on disk when ``cache_name`` is given).
+    """The library's drafter warm-up (``warmup_drafter``) on ``prompts`` questions of ``dataset``, cached on disk.
 
-    The answers come from ``prompts`` questions of ``dataset`` (seed ``1000 + seed``, apart from the benchmarks'
-    rollout prompts), split evenly between ``temperatures`` (0 is greedy): the data a TLT drafter sees in training
-    is the policy's rollouts on the task being trained, at the rollout temperature.
+    The questions use seed ``1000 + seed``, apart from the benchmarks' rollout prompts, and are shared between
+    ``temperatures`` (0 is greedy): the data a TLT drafter sees in training is the policy's rollouts on the task
+    being trained, at the rollout temperature. ``train_seconds`` is training only (sampling feeds the trainer's
+    buffer directly). The cache name carries ``WARMUP_VERSION``, so a cache made by an older warm-up is not reused.
     """
-    cache = cache_root() / "drafters" / cache_name if cache_name else None
+    cache = cache_root() / "drafters" / f"{cache_name}-{WARMUP_VERSION}" if cache_name else None
     if cache is not None and (cache / "config.json").is_file():
         log(f"loading warmed-up drafter from {cache}")
         info = {"cached": str(cache)}
-        if (cache / WARMUP_INFO).is_file():  # how it was made (caches written since this file exists)
+        if (cache / WARMUP_INFO).is_file():
             info.update(json.loads((cache / WARMUP_INFO).read_text()))
         return EagleDrafter.from_pretrained(cache, target=model), info
     texts = math_prompts(tokenizer, prompts, seed=1000 + seed, dataset=dataset, instruction=instruction)
-    start = time.perf_counter()
-    bounds = [i * len(texts) // len(temperatures) for i in range(len(temperatures) + 1)]
-    batches = []
-    for i, temperature in enumerate(temperatures):
-        batches += sample_answers(model, tokenizer, texts[bounds[i] : bounds[i + 1]], new_tokens, temperature, seed)
-    sampling_seconds = time.perf_counter() - start
-    tokens = sum(int(m[:, p:].sum()) for _, m, p in batches)
-    log(f"sampled {tokens} answer tokens in {sampling_seconds:.0f}s ({dataset}, T={list(temperatures)})")
-    torch.manual_seed(seed)
-    drafter = EagleDrafter.from_target(model, draft_vocab_size=draft_vocab)
-    drafter.set_draft_vocab(frequent_tokens(batches, draft_vocab, drafter.config.vocab_size))
-    trainer = DrafterTrainer(drafter, model, lr=1e-3, micro_batch_size=8)
-    width = max(s.shape[1] for s, _, _ in batches)
-    ids = torch.cat([torch.nn.functional.pad(s, (width - s.shape[1], 0), value=tokenizer.pad_token_id)
-                     for s, _, _ in batches])
-    mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for _, m, _ in batches])
-    metrics = trainer.train_on_sequences(ids, mask, max_seconds=train_seconds)
-    log(f"drafter trained {metrics['steps']} steps in {metrics['seconds']:.0f}s: loss {metrics['loss']:.3f}, "
-        f"top-1 agreement {metrics['top1']:.2f}")
-    info = {"answer_tokens": tokens, "sampling_seconds": sampling_seconds, "dataset": dataset,
-            "instruction": instruction, "prompts": prompts, "new_tokens": new_tokens,
-            "temperatures": list(temperatures), **metrics}
+    drafter, report = warmup_drafter(model, tokenizer, texts, draft_vocab_size=draft_vocab, max_new_tokens=new_tokens,
+                                     temperatures=tuple(temperatures), train_seconds=train_seconds, seed=seed,
+                                     show_progress=False, log=log)
+    info = {"warmup": WARMUP_VERSION, "answer_tokens": report.answer_tokens,
+            "sampling_seconds": report.sampling_seconds, "dataset": dataset, "instruction": instruction,
+            "prompts": prompts, "new_tokens": new_tokens, "temperatures": list(temperatures), **report.training}
     if cache is not None:
         drafter.save_pretrained(cache)
         (cache / WARMUP_INFO).write_text(json.dumps(info, indent=2) + "\n")
