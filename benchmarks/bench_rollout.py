@@ -41,7 +41,9 @@ Definitions (seconds are wall time of the generate call; per-step times come fro
 - the *fixed-batch sweep* (``batch_sweep.py``, after each temperature's reps) times adaptive against no-spec at each
   batch size directly: rows held at a fixed batch size, the two engines in lockstep (one step each in turn), several
   reps. It is the
-  cleanest answer to "is adaptive slower than plain decoding at any batch size?".
+  cleanest answer to "is adaptive slower than plain decoding at any batch size?". The *tail at lockstep speed*
+  (``lockstep_tail_speedup``) re-times no-spec's own tail steps at the sweep's ratio for each batch size: the tail
+  comparison without the drift and the sampled-length luck that whole-rollout tail ratios carry.
 - *equal-batch* speedups compare an engine's steps with no-spec's plain steps at the same batch sizes (same
   rep); *same clock* ones first rescale them by a speed probe (a fixed forward timed before and after every
   rollout), because this CPU's speed drifts by up to 10-15% between rollouts minutes apart.
@@ -476,7 +478,7 @@ def main():
                                   "clock", *(f"same clock: {n}" for n in ("all", *EQUAL_BUCKETS, "tail")),
                                   "accept len", "vs no-spec", "tail vs no-spec",
                                   "history tokens proposed", "history MB"], rows_prop)
-    sweep_results, table_sweep = None, None
+    sweep_results, table_sweep, lockstep_tail = None, None, {}
     if sweep:
         sweep_results, rows_sweep = sweep_summary(sweep)
         print(f"\nFixed-batch sweep: adaptive vs no-spec at each batch size, {args.sweep_tokens} tokens per row from "
@@ -484,6 +486,13 @@ def main():
               "(decode seconds no-spec / adaptive, >1: adaptive faster; headline: the engines stepped in lockstep, "
               "reps pooled, see batch_sweep.py):")
         table_sweep = print_table(SWEEP_HEADERS, rows_sweep)
+        for temperature in args.temperatures:
+            tail = lockstep_tail_speedup(raw, sweep_results, temperature, tail_rows)
+            if tail is not None:
+                lockstep_tail[str(temperature)] = tail
+                print(f"T={temperature}: tail at lockstep speed (no-spec's tail steps, "
+                      f"{tail['no_spec_tail_seconds']:.1f} s, re-timed at the sweep's ratio per batch size): "
+                      f"adaptive {tail['speedup']:.3f}x no-spec")
     print("\nCompletion lengths (all reps pooled; EOS included):")
     table_len = print_table(["T", "engine", "n", "min", "median", "p90", "max", "mean", "hit max"], rows_len)
     print("\nCorrectness hints (sampling differs between engines at T>0; shapes and length distributions should "
@@ -494,6 +503,7 @@ def main():
         "settings": {**vars(args), "batch": batch, "tail_rows": tail_rows, "device": str(device)},
         "drafter_warmup": warm_info, "adaptive_warmup": adaptive_warmup, "engine_has_trace": bool(has_trace),
         "summary": summary, "raw": raw, "proposers": proposers, "sweep": sweep_results, "sweep_raw": sweep,
+        "lockstep_tail": lockstep_tail,
         "adaptive_state": {name: adaptive_state(engines[name], args.temperatures) for name in learners},
         "tables": {"totals": table_total, "buckets": table_bucket, "lengths": table_len, "checks": table_check,
                    "proposers": table_prop, "sweep": table_sweep},
@@ -552,6 +562,38 @@ def equal_batch_speedups(trace, plain: dict[int, float], tail_rows: float, clock
             g[2] += size
             g[3] += _interpolate(plain, size)
     return {name: (e / s) / (rows / ps) if s and ps else None for name, (e, s, rows, ps) in groups.items()}
+
+
+def lockstep_tail_speedup(raw, sweep_results: dict, temperature: float, tail_rows: float) -> dict | None:
+    """The tail's speedup with the drift taken out: no-spec's tail steps re-timed at the lockstep sweep's ratios.
+
+    Whole-rollout and bucket ratios compare rollouts run minutes apart on a CPU whose speed drifts by 10-30%, and
+    at T > 0 on different sampled lengths. Here no-spec's own tail (its seconds at each batch size <= tail_rows,
+    pooled over reps) is the workload, and each batch size's share is divided by the sweep's adaptive/no-spec
+    decode ratio at that size (the engines stepped in lockstep; linear between swept sizes, clamped outside).
+    """
+    ratios = {int(size): r["decode_speedup_lockstep"]
+              for size, r in (sweep_results or {}).get(str(temperature), {}).items()
+              if r.get("decode_speedup_lockstep")}
+    seconds: dict[int, float] = defaultdict(float)
+    for r in raw:
+        if r["engine"] == "no_spec" and r["temperature"] == temperature:
+            for size, _, _, step_seconds in r.get("trace") or []:
+                if size <= tail_rows:
+                    seconds[size] += step_seconds
+    if not ratios or not seconds:
+        return None
+    sizes = sorted(ratios)
+
+    def at(size: int) -> float:
+        if size <= sizes[0] or size >= sizes[-1]:
+            return ratios[sizes[0] if size <= sizes[0] else sizes[-1]]
+        return _interpolate(ratios, size)
+
+    plain = sum(seconds.values())
+    adaptive = sum(t / at(size) for size, t in seconds.items())
+    return {"speedup": plain / adaptive, "no_spec_tail_seconds": plain, "estimated_adaptive_seconds": adaptive,
+            "seconds_by_batch_size": dict(sorted(seconds.items())), "sweep_ratios": ratios}
 
 
 def proposer_rows(raw):
