@@ -120,3 +120,27 @@ def test_the_test_detects_a_small_temperature_change(model, bad_drafter):
     reference = hf_samples(model, seed=7, temperature=1.0)
     ours, _ = engine_samples(model, bad_drafter, seed=8, temperature=1.15)
     assert two_sample_pvalue(reference, ours) < 1e-3
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_first_acceptance_is_the_probability_the_first_draft_is_kept(draft_vocab):
+    """The selector learns from sum(min(p_1, q_1)) instead of a 0/1 accept: it must be that probability."""
+    from tlt_trainers.spec.rejection import verify_sampled
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, rows = 12, 2, 4
+    p = torch.softmax(torch.randn(rows, k + 1, vocab, generator=gen) * 2, dim=-1)
+    d2t = torch.tensor([0, 2, 3, 5, 7, 8, 11]) if draft_vocab else None
+    n = len(d2t) if draft_vocab else vocab
+    q = torch.softmax(torch.randn(rows, k, n, generator=gen) * 2, dim=-1)
+    p_first = p[:, 0, d2t] if draft_vocab else p[:, 0]
+    expected = torch.minimum(p_first, q[:, 0]).sum(-1)
+    kept = torch.zeros(rows)
+    trials = 5_000
+    for _ in range(trials):
+        index = torch.multinomial(q.reshape(-1, n), 1, generator=gen).reshape(rows, k)
+        drafts = d2t[index] if draft_vocab else index
+        verdict = verify_sampled(drafts, q, p, gen, d2t, index if draft_vocab else None)
+        assert torch.allclose(verdict.first_acceptance, expected)
+        kept += (verdict.num_accepted > 0).float()
+    assert torch.allclose(kept / trials, expected, atol=0.03), (kept / trials, expected)

@@ -344,3 +344,48 @@ def test_profile_skips_token_counts_that_cannot_reach_min_speedup(monkeypatch):
     tight = costs.profile_costs(engine.target, None, arms, [2], context=8, repeats=1, min_speedup=1.25)
     assert loose.verify == {(2, 1): 1.0, (2, 3): 5.0, (2, 5): 9.0}
     assert tight.verify == {(2, 1): 1.0, (2, 3): 5.0}
+
+
+def cpu_like_profile() -> CostProfile:
+    """Batch 1 on a 2-core CPU (SmolLM2-135M's measured shape): a second token per row is free, a third is not."""
+    profile = CostProfile()
+    for q, seconds in ((1, 0.112), (2, 0.112), (3, 0.127), (5, 0.136)):
+        profile.verify[(1, q)] = seconds
+    for width in (1, 2, 4):
+        profile.draft[(1, width)] = 0.006
+    return profile
+
+
+@pytest.mark.parametrize("accepted_later, expected", [(1.45, "chain:1"), (1.0, "none")])
+def test_one_unlucky_rejection_does_not_rule_out_a_cheap_arm(accepted_later, expected):
+    """chain:1 at batch 1 is one accept/reject draw per step: a first rejection must not end its trials, and
+    what the trials then measure decides (45% acceptance pays 1.37x here; none does not pay)."""
+    arm = parse_strategy("chain:1")
+    selector = StrategySelector([arm], cpu_like_profile())
+    for _ in range(500):  # a rollout's worth of plain steps first, as in the tail of a real one
+        selector.observe(NONE, 1, 1, 0.112)
+    selector.observe(arm, 1, 1, selector.profile.step_seconds(arm, 1))  # its first step: the draft rejected
+    assert selector.choose(1) == arm, "a single rejection ended chain:1's trials"
+    for step in range(40):
+        choice = selector.choose(1)
+        if choice == arm:
+            tokens = 2 if step / 40 < accepted_later - 1 else 1  # a deterministic share of accepted drafts
+            selector.observe(arm, 1, tokens, selector.profile.step_seconds(arm, 1))
+        else:
+            selector.observe(NONE, 1, 1, 0.112)
+    assert selector.choose(1).name == expected
+
+
+def test_one_slow_step_does_not_lock_a_cheap_arm_out():
+    """A single chain:1 step that ran twice its profiled time (a burst of slowness on this CPU) must not raise
+    its cost for good: with fewer than min_trials steps in the bucket the profile's cost stands."""
+    arm = parse_strategy("chain:1")
+    selector = StrategySelector([arm], cpu_like_profile())
+    for _ in range(500):
+        selector.observe(NONE, 1, 1, 0.112)
+    selector.observe(arm, 1, 2, 2 * selector.profile.step_seconds(arm, 1))
+    assert selector.relative_cost(arm, 1) > 2.0  # what the step read...
+    assert selector.choose(1) == arm  # ...is not yet believed
+    for _ in range(selector.min_trials):
+        selector.observe(arm, 1, 2, 2 * selector.profile.step_seconds(arm, 1))
+    assert selector.choose(1) == NONE  # steps that keep reading twice the profile are

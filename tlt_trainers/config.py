@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from .spec.strategy import Strategy, parse_strategy
 
 SPECULATION_MODES = ("adaptive", "always", "never")
-# Chains for sampling (a drafter's q is used, not only its top choices), trees for confident drafters.
-DEFAULT_STRATEGIES = ("chain:2", "chain:4", "tree:4x2:8", "tree:6x4:16", "tree:8x4:32", "tree:8x4:48")
+# Chains for sampling (a drafter's q is used, not only its top choices), trees for confident drafters. A chain of
+# one is the CPU's arm: verifying a second token per row costs next to nothing at batch 1 there, a third does not.
+DEFAULT_STRATEGIES = ("chain:1", "chain:2", "chain:4", "tree:4x2:8", "tree:6x4:16", "tree:8x4:32", "tree:8x4:48")
 # Proposals from rollout history: alone (no drafter compute) and as one more branch of a drafter tree.
 DEFAULT_HISTORY_STRATEGIES = ("history:8", "tree:6x4:16+history:8")
 

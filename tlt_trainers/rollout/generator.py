@@ -514,6 +514,7 @@ class _Rollout:
     def _step(self, strategy: Strategy) -> None:
         batch = self.rows.seq.shape[0]
         self._switch_seconds = 0.0
+        self._expected_emitted = None
         start = self._now()
         if strategy.kind in ("tree", "history"):
             emitted, drafted, accepted = self._tree_step(strategy, start)
@@ -522,7 +523,8 @@ class _Rollout:
         seconds = self._now() - start
         self.stats.record_step(batch, emitted, drafted, accepted, seconds, strategy.name)
         if self.selector is not None:
-            self.selector.observe(strategy, batch, emitted, seconds, accepted, catch_up_seconds=self._switch_seconds)
+            self.selector.observe(strategy, batch, emitted, seconds, accepted, catch_up_seconds=self._switch_seconds,
+                                  expected_emitted=self._expected_emitted)
 
     def _tree_step(self, strategy: Strategy, start: float) -> tuple[int, int, int]:
         rows = self.rows
@@ -686,6 +688,9 @@ class _Rollout:
         else:
             self.stats.decode_seconds += end - start
         accepted = int(verdict.num_accepted.sum()) if k > 0 else 0
+        if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
+            self._expected_emitted = emitted_count + float(
+                (verdict.first_acceptance - (verdict.num_accepted > 0).to(verdict.first_acceptance.dtype)).sum())
         return emitted_count, batch * k, accepted
 
     def _presence_along(self, drafts: torch.Tensor) -> torch.Tensor:

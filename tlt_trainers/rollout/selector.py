@@ -38,7 +38,7 @@ class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
                  explore_below: float = 1.3, min_speedup: float = 1.25, bucket_weight: float = 8.0,
-                 refresh_steps: int = 32, cost_pessimism: float = 0.5):
+                 refresh_steps: int = 32, cost_pessimism: float = 0.5, min_trials: int = 4):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
@@ -50,6 +50,7 @@ class StrategySelector:
         self.min_speedup = min_speedup
         self.bucket_weight = bucket_weight
         self.refresh_steps = refresh_steps
+        self.min_trials = min_trials
         self.steps = 0
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
         self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
@@ -65,8 +66,13 @@ class StrategySelector:
 
     # --------------------------------------------------------------- estimates
     def _prior(self, strategy: Strategy, batch: int) -> float:
-        """Tokens per step assumed before any measurement; TLT's choice for the bucket ranks first."""
-        value = 1.0 + 0.25 * max(strategy.depth, 0.6 * strategy.history)
+        """Tokens per step assumed before any measurement; TLT's choice for the bucket ranks first.
+
+        The first draft token counts 0.45 (drafters warmed on the policy's answers accept it 43-55% of the time
+        in our measurements), each further level 0.25: a flat 0.25 a level left ``chain:1`` below what it pays
+        on a CPU at batch 1, so it was rarely tried."""
+        levels = max(strategy.depth, 0.6 * strategy.history)
+        value = 1.0 + 0.25 * levels + (0.2 if levels >= 1 else 0.0)
         if strategy == tlt_prior(batch):
             value += 0.5
         return min(value, strategy.max_emitted)
@@ -81,18 +87,27 @@ class StrategySelector:
 
     def acceptance(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
         """Tokens per row and step: windowed mean with the prior as pseudo-observations, shrunk toward this
-        bucket's own observations (``bucket_weight`` pseudo-counts for the shared mean), plus a UCB bonus."""
+        bucket's own observations (``bucket_weight`` pseudo-counts for the shared mean), plus a UCB bonus.
+
+        Optimistically, an arm seen fewer than ``min_trials`` times in the window is valued at no less than its
+        prior: at batch 1 one step of ``chain:1`` is a single accept/reject draw, and one unlucky rejection
+        would otherwise rule the arm out for good (the bonus alone is too small to bring it back). The same
+        holds for its cost in a bucket (see :meth:`speedup`): one slow step must not lock a cheap arm out.
+        """
         history = self._recent(strategy)
         n = len(history) + self.prior_steps
-        mean = (sum(a for _, a in history) + self.prior_steps * self._prior(strategy, batch)) / n
+        prior = self._prior(strategy, batch)
+        mean = (sum(a for _, a in history) + self.prior_steps * prior) / n
         own = self._recent(strategy, selector_bucket(batch))
         if own:
             mean = (sum(a for _, a in own) + self.bucket_weight * mean) / (len(own) + self.bucket_weight)
         if optimism:
+            if len(history) < self.min_trials:
+                mean = max(mean, prior)
             mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
         return min(mean, strategy.max_emitted)
 
-    def relative_cost(self, strategy: Strategy, batch: int) -> float:
+    def relative_cost(self, strategy: Strategy, batch: int, corrected: bool = True) -> float:
         """Seconds of a step with ``strategy`` per plain step at this batch size.
 
         The profile's ratio, times what speculative steps in this bucket measured against the plain pace of their
@@ -103,6 +118,8 @@ class StrategySelector:
         if strategy.kind == "none":
             return 1.0
         profiled = self.profile.step_seconds(strategy, batch) / self.profile.step_seconds(NONE, batch)
+        if not corrected:
+            return max(profiled, 1.0)
         ratio = profiled * self.correction.get((selector_bucket(batch), strategy.name), 1.0)
         return max(ratio, profiled, 1.0)
 
@@ -112,6 +129,8 @@ class StrategySelector:
         if strategy.kind == "none":
             return 1.0
         cost = self.relative_cost(strategy, batch)
+        if optimism and len(self._recent(strategy, selector_bucket(batch))) < self.min_trials:
+            cost = self.relative_cost(strategy, batch, corrected=False)  # a step or two of timing is noise
         if not math.isfinite(cost):
             return 0.0
         return self.acceptance(strategy, batch, optimism and cost <= self.explore_below) / cost
@@ -201,12 +220,16 @@ class StrategySelector:
         return best
 
     def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float,
-                accepted: int | None = None, catch_up_seconds: float = 0.0) -> None:
+                accepted: int | None = None, catch_up_seconds: float = 0.0,
+                expected_emitted: float | None = None) -> None:
         """Learn from a step: tokens emitted (acceptance), its seconds (cost correction) and, after a history
         step chosen from its proposals, the draft tokens accepted (history calibration).
 
         ``catch_up_seconds``: time the drafter spent catching up on a long stretch of plain steps (a one-off at
         a switch, paid whichever strategy follows); it is left out of the strategy's cost.
+        ``expected_emitted``: the same count with the first draft's 0/1 acceptance replaced by its probability
+        (sampled chains): the same expectation, far less noise, so a few steps at batch 1 already say how well
+        the drafter does.
         """
         self.steps += 1
         prediction, self._history_prediction = self._history_prediction, None
@@ -216,8 +239,9 @@ class StrategySelector:
         if strategy.kind != "none":
             history = self.observed.get(strategy.name)
             if history is not None:
-                history.append((self.steps, emitted / batch))
-                self.observed_in.setdefault((bucket, strategy.name), deque()).append((self.steps, emitted / batch))
+                per_row = (emitted if expected_emitted is None else expected_emitted) / batch
+                history.append((self.steps, per_row))
+                self.observed_in.setdefault((bucket, strategy.name), deque()).append((self.steps, per_row))
         predicted = self.profile.step_seconds(strategy, batch)
         if not (math.isfinite(predicted) and predicted > 0):
             return

@@ -22,6 +22,9 @@ class ChainVerdict:
 
     num_accepted: torch.Tensor  # [B] number of leading drafts kept (0..k)
     next_token: torch.Tensor  # [B] token emitted after the accepted drafts (correction or bonus)
+    # [B] sampling only: the probability that the first draft is accepted, sum(min(p_1, q_1)). Its expectation
+    # is what a 0/1 accept of that draft estimates, without the coin flip's variance (for the selector).
+    first_acceptance: torch.Tensor | None = None
 
 
 def leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -80,6 +83,8 @@ def verify_sampled_with_uniforms(
     p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
     q_draft = draft_probs.gather(2, q_index[..., None]).squeeze(2)
     num_accepted = leading_true(uniforms.to(target_probs.device) * q_draft < p_draft)
+    p_first = target_probs[:, 0] if draft_to_target is None else target_probs[:, 0].index_select(1, draft_to_target)
+    first_acceptance = torch.minimum(p_first, draft_probs[:, 0].to(p_first.dtype)).sum(-1)
 
     rows = torch.arange(batch, device=target_probs.device)
     p_next = target_probs[rows, num_accepted]  # [B, V]
@@ -95,4 +100,4 @@ def verify_sampled_with_uniforms(
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual, p_next)
     next_token = inverse_cdf(residual, residual_uniforms)
-    return ChainVerdict(num_accepted, next_token)
+    return ChainVerdict(num_accepted, next_token, first_acceptance)
