@@ -43,7 +43,8 @@ Definitions (seconds are wall time of the generate call; per-step times come fro
   reps. It is the
   cleanest answer to "is adaptive slower than plain decoding at any batch size?". The *tail at lockstep speed*
   (``lockstep_tail_speedup``) re-times no-spec's own tail steps at the sweep's ratio for each batch size: the tail
-  comparison without the drift and the sampled-length luck that whole-rollout tail ratios carry.
+  comparison without the drift between rollouts run minutes apart (the sweep's ratios come from its rows, the
+  longest answers a few dozen tokens in; no-spec's sampled tail sets the weights).
 - *equal-batch* speedups compare an engine's steps with no-spec's plain steps at the same batch sizes (same
   rep); *same clock* ones first rescale them by a speed probe (a fixed forward timed before and after every
   rollout), because this CPU's speed drifts by up to 10-15% between rollouts minutes apart.
@@ -568,7 +569,7 @@ def lockstep_tail_speedup(raw, sweep_results: dict, temperature: float, tail_row
     """The tail's speedup with the drift taken out: no-spec's tail steps re-timed at the lockstep sweep's ratios.
 
     Whole-rollout and bucket ratios compare rollouts run minutes apart on a CPU whose speed drifts by 10-30%, and
-    at T > 0 on different sampled lengths. Here no-spec's own tail (its seconds at each batch size <= tail_rows,
+    at T > 0 on different sampled lengths. Here no-spec's own tail mix (its seconds at each batch size <= tail_rows,
     pooled over reps) is the workload, and each batch size's share is divided by the sweep's adaptive/no-spec
     decode ratio at that size (the engines stepped in lockstep; linear between swept sizes, clamped outside).
     """

@@ -389,3 +389,19 @@ def test_one_slow_step_does_not_lock_a_cheap_arm_out():
     for _ in range(selector.min_trials):
         selector.observe(arm, 1, 2, 2 * selector.profile.step_seconds(arm, 1))
     assert selector.choose(1) == NONE  # steps that keep reading twice the profile are
+
+
+def test_an_arm_measured_slow_is_not_retried_every_window():
+    """The cost floor lasts min_trials steps of the arm in the bucket, ever: the correction they built is not
+    forgotten when the window moves on, so an arm that keeps reading twice its profile is not re-tried."""
+    arm = parse_strategy("chain:1")
+    selector = StrategySelector([arm], cpu_like_profile(), window=64)
+    tried = 0
+    for _ in range(1000):
+        choice = selector.choose(1)
+        if choice == arm:
+            tried += 1
+            selector.observe(arm, 1, 2, 2 * selector.profile.step_seconds(arm, 1))
+        else:
+            selector.observe(NONE, 1, 1, 0.112)
+    assert selector.min_trials <= tried <= selector.min_trials + 1, tried

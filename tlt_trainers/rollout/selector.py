@@ -58,6 +58,7 @@ class StrategySelector:
         # measured / predicted seconds relative to that plain pace when it was taken
         self.correction: dict[tuple[int, str], float] = {}
         self.plain_seen: dict[int, int] = {}  # bucket -> selector step of its latest plain step
+        self.cost_samples: dict[tuple[int, str], int] = {}  # (bucket, strategy) -> steps behind its cost correction
         self.chosen: dict[int, dict[str, int]] = {}
         # History calibration: (step, bucket, tokens accepted, tokens the proposals' match statistics predicted).
         self.history_calibration_prior = (2.0, 4.0)  # pseudo-counts: accepted, predicted (a 0.5 prior)
@@ -129,7 +130,7 @@ class StrategySelector:
         if strategy.kind == "none":
             return 1.0
         cost = self.relative_cost(strategy, batch)
-        if optimism and len(self._recent(strategy, selector_bucket(batch))) < self.min_trials:
+        if optimism and self.cost_samples.get((selector_bucket(batch), strategy.name), 0) < self.min_trials:
             cost = self.relative_cost(strategy, batch, corrected=False)  # a step or two of timing is noise
         if not math.isfinite(cost):
             return 0.0
@@ -253,6 +254,7 @@ class StrategySelector:
                 seconds = max(seconds - catch_up_seconds, 0.0) + self.profile.catch_up_seconds(batch)
             ratio = seconds / predicted / self.correction.get((bucket, NONE.name), 1.0)
         key = (bucket, strategy.name)
+        self.cost_samples[key] = self.cost_samples.get(key, 0) + 1  # never windowed, like the correction itself
         old = self.correction.get(key)
         alpha = self.cost_smoothing
         if strategy.kind != "none" and old is not None and ratio > old:
