@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import completion_mask, encode, math_prompts, print_table, warm_drafter, write_results  # noqa: E402
+from common import count_generated, encode, math_prompts, print_table, warm_drafter, write_results  # noqa: E402
 
 from tlt_trainers import SpeculativeGenerator, TLTConfig  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
@@ -47,10 +47,6 @@ def parse_args():
     args.warmup_prompts = args.warmup_prompts or (32 if args.quick else 96)
     args.reps = args.reps or (1 if args.quick else 2)
     return args
-
-
-def count_generated(sequences, prompt_len, tok) -> int:
-    return int(completion_mask(sequences, prompt_len, tok.pad_token_id, tok.eos_token_id).sum())
 
 
 def time_engines(model, tok, engines, ids, mask, max_new_tokens, do_sample, reps):

@@ -100,7 +100,7 @@ class DrafterTrainer:
         added = 0
         for first_row in range(0, input_ids.shape[0], block):
             order = first_row + real[first_row : first_row + block].argsort(descending=True, stable=True)
-            features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            features: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * order.shape[0]  # by row in block
             for start in range(0, order.shape[0], chunk):
                 rows = order[start : start + chunk]
                 m = mask[rows]
@@ -116,10 +116,11 @@ class DrafterTrainer:
                     keep = m[i].bool()
                     tokens = ids[i][keep]
                     if tokens.numel() >= 2:
-                        features[row] = (tokens, hidden[i][keep][:-1])
-            for row in sorted(features):
-                self.buffer.add(*features[row])
-            added += len(features)
+                        features[row - first_row] = (tokens, hidden[i][keep][:-1])
+            for pair in features:
+                if pair is not None:
+                    self.buffer.add(*pair)
+                    added += 1
         return added
 
     def add_features(self, tokens: torch.Tensor, features: torch.Tensor) -> None:

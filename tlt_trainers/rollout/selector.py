@@ -129,9 +129,8 @@ class StrategySelector:
         (relative cost up to ``explore_below``): acceptance learnt in the tail serves every bucket."""
         if strategy.kind == "none":
             return 1.0
-        cost = self.relative_cost(strategy, batch)
-        if optimism and self.cost_samples.get((selector_bucket(batch), strategy.name), 0) < self.min_trials:
-            cost = self.relative_cost(strategy, batch, corrected=False)  # a step or two of timing is noise
+        few_steps = self.cost_samples.get((selector_bucket(batch), strategy.name), 0) < self.min_trials
+        cost = self.relative_cost(strategy, batch, corrected=not (optimism and few_steps))  # few steps: noise
         if not math.isfinite(cost):
             return 0.0
         return self.acceptance(strategy, batch, optimism and cost <= self.explore_below) / cost
