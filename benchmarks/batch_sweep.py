@@ -100,7 +100,7 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
     """One record per (batch size, rep, engine); see the module docstring."""
     contexts, keys, lengths = sweep_contexts(ids, mask, reference, tok, prefix)
     order = sorted(range(len(contexts)), key=lambda r: -lengths[r])  # the tail's rows are the longest answers
-    snapshot = copy.deepcopy(adaptive.history) if adaptive.history is not None else None
+    snapshot = copy.deepcopy(adaptive.rollout_history) if adaptive.rollout_history is not None else None
     records = []
     for size in [s for s in sizes if s <= len(contexts)]:
         rows = order[:size]
@@ -113,7 +113,7 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
         for rep in range(reps):
             names = ("no_spec", "adaptive") if rep % 2 == 0 else ("adaptive", "no_spec")  # who steps first
             if replay_history is not None:
-                adaptive.history = copy.deepcopy(replay_history)
+                adaptive.rollout_history = copy.deepcopy(replay_history)
             timed = _lockstep({name: no_spec if name == "no_spec" else adaptive for name in names}, s_ids, s_mask,
                               s_keys, new_tokens, sampling, seed + rep, tok.pad_token_id)
             for name in names:
@@ -134,7 +134,7 @@ def batch_sweep(no_spec, adaptive, tok, ids, mask, reference, *, temperature: fl
             f"{pooled_ratio(mine):.3f}, best-of-{reps} {best_of_reps_ratio(mine):.3f}, "
             f"per rep {', '.join(f'{x:.3f}' for x in sweep_ratios(mine))}")
     if snapshot is not None:
-        adaptive.history = snapshot
+        adaptive.rollout_history = snapshot
     return records
 
 

@@ -5,7 +5,7 @@
 
 Each shape (batch x new tokens, cached context) is one forward of the engine's policy (decoder, LM head,
 softmax), timed alternately with the stock paths (``F.linear``, transformers' ``repeat_kv`` + SDPA) and with
-``tlt_trainers.rollout.cpu_paths`` (few-row linears, ``enable_gqa``) in one process; the second-fastest of each
+``tlt_trainers.modeling.cpu_paths`` (few-row linears, ``enable_gqa``) in one process; the second-fastest of each
 is kept (this VM has seconds-long bursts of slowness). Ratios are what to read. Writes
 benchmarks/results/bench_cpu_paths[_quick].json.
 """
@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_results  # noqa: E402
 
+from tlt_trainers.modeling.target import TargetModel  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.rollout.costs import _verify_runs  # noqa: E402
-from tlt_trainers.rollout.target import TargetModel  # noqa: E402
 
 SHAPES = [(1, 1, 200), (1, 5, 200), (2, 1, 300), (4, 1, 300), (8, 1, 300), (8, 3, 300), (16, 1, 300),
           (16, 3, 300), (32, 1, 300), (64, 1, 300)]

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import count_generated, encode, math_prompts, print_table, warm_drafter, write_results  # noqa: E402
 
 from tlt_trainers import SpeculativeGenerator, TLTConfig  # noqa: E402
+from tlt_trainers.modeling.kv_cache import RowState, WritePlan  # noqa: E402
+from tlt_trainers.modeling.target import TargetModel  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
-from tlt_trainers.rollout.kv_cache import RowState, WritePlan  # noqa: E402
-from tlt_trainers.rollout.target import TargetModel  # noqa: E402
 
 
 def parse_args():

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_results  # noqa: E402
 
 from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
-from tlt_trainers.drafter.warmup import chat_prompt, measure_acceptance, warmup_drafter  # noqa: E402
 from tlt_trainers.pretrained import cache_root, load_smollm2  # noqa: E402
+from tlt_trainers.warmup import chat_prompt, measure_acceptance, warmup_drafter  # noqa: E402
 
 TASK = "basic_arithmetic"
 
@@ -87,7 +87,7 @@ def main():
         drafter = EagleDrafter.from_pretrained(warm_dir, target=model)
         print(f"drafter from {warm_dir}")
     else:
-        from tlt_trainers.drafter.warmup import reasoning_gym_prompts
+        from tlt_trainers.warmup import reasoning_gym_prompts
 
         print(f"no warmed drafter at {warm_dir}: warming one up briefly")
         drafter, _ = warmup_drafter(model, tok, reasoning_gym_prompts(tok, 32, seed=1000), max_new_tokens=128,

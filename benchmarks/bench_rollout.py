@@ -82,7 +82,7 @@ from tlt_trainers.rollout.stats import BUCKETS, bucket_name  # noqa: E402
 TAIL_ROWS = [0.0]  # set in main(): the tail's row threshold
 ENGINES = ("generate", "no_spec", "always", "adaptive", "model_only", "history_only")
 # Adaptive engines by proposer: the model drafter and rollout history (default), each alone (issue 8's comparison).
-ADAPTIVE = {"adaptive": dict(), "model_only": dict(history=False), "history_only": dict()}
+ADAPTIVE = {"adaptive": dict(), "model_only": dict(history_drafting=False), "history_only": dict()}
 BUCKET_ORDER = [bucket_name(low) for low, _ in BUCKETS]
 EQUAL_BUCKETS = ("17-64", "5-16", "2-4", "1")  # equal-batch speedups printed per bucket
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import count_generated, print_table, write_results  # noqa: E402
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
-from tlt_trainers.drafter.warmup import reasoning_gym_prompts, warmup_drafter  # noqa: E402
 from tlt_trainers.pretrained import cache_root, load_smollm2  # noqa: E402
+from tlt_trainers.warmup import reasoning_gym_prompts, warmup_drafter  # noqa: E402
 
 
 def speed_at_batch_one(model, tok, drafter, prompts, max_new_tokens, k, temperature, seed=0) -> dict:

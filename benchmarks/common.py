@@ -6,13 +6,14 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from tlt_trainers import EagleDrafter
-from tlt_trainers.drafter.warmup import warmup_drafter
 from tlt_trainers.pretrained import cache_root
+from tlt_trainers.warmup import warmup_drafter
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP_INFO = "warmup.json"  # beside a cached drafter: the data and training that made it
@@ -81,8 +82,24 @@ def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_secon
     return drafter, info
 
 
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AVX2 / AVX-512, which decide CPU kernel speed (Linux)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512")) if flag in flags]
+    return f"{fields.get('model name', platform.machine())} ({', '.join(isa) or 'no AVX2'})"
+
+
 def machine() -> dict:
+    """Where a result was measured, stored with it (benchmarks/update_docs.py prints the date and CPU)."""
     return {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "cpu": cpu_name(),
         "platform": platform.platform(),
         "processor": platform.processor(),
         "cpus": os.cpu_count(),

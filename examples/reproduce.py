@@ -225,6 +225,15 @@ def parse_args():
     return options
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), stored with the results."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main() -> None:
     options = parse_args()
     out = Path(options.output_dir)
@@ -242,7 +251,9 @@ def main() -> None:
     print(f"\nend-to-end step time: stock / TLT = {step_ratio:.3f}; rollout time: stock / TLT = {rollout_ratio:.3f}")
     plot(results, out / "reproduce.png")
     payload = {"command": "python " + " ".join(sys.argv), "settings": vars(options),
-               "machine": {"platform": platform.platform(), "torch": torch.__version__,
+               "machine": {"date": time.strftime("%Y-%m-%d", time.gmtime()),
+                           "cpu": cpu_name(), "platform": platform.platform(),
+                           "torch": torch.__version__,
                            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                            "threads": torch.get_num_threads()},
                "summary": summaries, "step_time_ratio": step_ratio, "rollout_time_ratio": rollout_ratio,

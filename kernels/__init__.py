@@ -5,7 +5,7 @@ compute the same thing. Triton is optional (``pip install "tlt-trainers[kernels]
 import it at module level, so ``import tlt_trainers.kernels`` works without it.
 
 - :func:`verify_chain_reference` (``verify_reference.py``): chain rejection sampling with explicit
-  uniforms, the reference for a fused verify kernel; equal to ``tlt_trainers.spec.verify_sampled``.
+  uniforms, the reference for a fused verify kernel; equal to ``tlt_trainers.sampling.verify_sampled``.
 """
 
 from .verify_reference import verify_chain_reference

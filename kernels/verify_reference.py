@@ -1,6 +1,6 @@
 """Pure-torch reference of chain verification: what a Triton verify kernel must compute, bit for bit.
 
-Same result as :func:`tlt_trainers.spec.rejection.verify_sampled`, but with its randomness passed in
+Same result as :func:`tlt_trainers.sampling.chain.verify_sampled`, but with its randomness passed in
 (``uniforms`` decide acceptance, ``residual_uniforms`` draw the next token), so a kernel and this
 reference can be fed the same numbers and compared exactly. Written as plain loops, one row and one
 draft at a time, to be read rather than run fast:
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tlt_trainers.spec.rejection import ChainVerdict
+from tlt_trainers.sampling.chain import ChainVerdict
 
 
 def _inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> int:

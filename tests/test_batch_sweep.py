@@ -68,7 +68,7 @@ def test_sweep_replays_rows_without_their_own_answers_in_the_history():
     adaptive = SpeculativeGenerator(model, None, TLTConfig(speculation="adaptive"))
     reference = adaptive.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD,
                                   do_sample=True, generator=torch.Generator().manual_seed(0), history_keys=keys)
-    snapshot_tokens = adaptive.history.num_tokens
+    snapshot_tokens = adaptive.rollout_history.num_tokens
     assert snapshot_tokens > 0
     records = batch_sweep(no_spec, adaptive, tok, ids, mask, reference.sequences, temperature=1.0,
                           sampling={"do_sample": True}, sizes=(1, 4), new_tokens=4, prefix=6, reps=2,
@@ -78,7 +78,7 @@ def test_sweep_replays_rows_without_their_own_answers_in_the_history():
     assert discarded == {1: 1, 4: 4}  # each replayed row's own answer, not its sibling's
     assert all(r["tokens"] == r["batch"] * 4 for r in records)  # EOS ignored: the batch stays full
     assert all(len(r["trace"]) == r["steps"] and r["typical_decode_seconds"] > 0 for r in records)
-    assert adaptive.history.num_tokens == snapshot_tokens  # the rollout's history is restored afterwards
+    assert adaptive.rollout_history.num_tokens == snapshot_tokens  # the rollout's history is restored afterwards
     contexts, _, lengths = sweep_contexts(ids, mask, reference.sequences, tok, prefix=6)
     for context, length, m in zip(contexts, lengths, mask):  # prompt + up to 6 tokens, stopping before an EOS
         assert len(context) == int(m.sum()) + min(6, length - 1)

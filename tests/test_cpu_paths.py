@@ -5,8 +5,8 @@ import torch
 from tiny_models import tiny_model
 from torch import nn
 
-from tlt_trainers.rollout.cpu_paths import FEW_ROWS, _few_row_linear
-from tlt_trainers.rollout.target import TargetModel
+from tlt_trainers.modeling.cpu_paths import FEW_ROWS, _few_row_linear
+from tlt_trainers.modeling.target import TargetModel
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -44,7 +44,7 @@ def test_gqa_attention_equals_transformers_sdpa_exactly(case):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from tlt_trainers.rollout.cpu_paths import sdpa_gqa_attention
+    from tlt_trainers.modeling.cpu_paths import sdpa_gqa_attention
 
     torch.manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
@@ -84,7 +84,7 @@ def test_patch_lives_only_inside_the_engine_forward():
 def test_gqa_attention_is_exact_and_scoped():
     """The tiny llama has 4 query heads over 2 K/V heads: the engine's forward uses our attention and equals the
     model's (to float32 rounding: the linears differ), with the config back on ``sdpa`` after."""
-    from tlt_trainers.rollout.cpu_paths import SDPA_GQA
+    from tlt_trainers.modeling.cpu_paths import SDPA_GQA
 
     model = tiny_model()
     assert model.config._attn_implementation == "sdpa"
@@ -94,7 +94,7 @@ def test_gqa_attention_is_exact_and_scoped():
     hook = attn.register_forward_pre_hook(lambda m, args: seen.append(m.config._attn_implementation))
     torch.manual_seed(0)
     ids = torch.randint(3, 60, (3, 7))
-    from tlt_trainers.rollout.kv_cache import RowState, WritePlan
+    from tlt_trainers.modeling.kv_cache import RowState, WritePlan
 
     state = RowState(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
     slots = torch.arange(7).expand(3, -1)
@@ -113,7 +113,7 @@ def test_gqa_attention_is_exact_and_scoped():
 def test_padding_mask_survives_inside_the_context():
     """A decoder call with a 2-D padding mask while the paths are active (another caller of the same policy)
     must build its mask as under ``sdpa``."""
-    from tlt_trainers.rollout.cpu_paths import CpuDecodePaths
+    from tlt_trainers.modeling.cpu_paths import CpuDecodePaths
 
     model = tiny_model()
     ids = torch.randint(3, 60, (2, 6))
@@ -126,7 +126,7 @@ def test_padding_mask_survives_inside_the_context():
 
 
 def test_nested_and_non_sdpa_models_keep_their_state():
-    from tlt_trainers.rollout.cpu_paths import SDPA_GQA, CpuDecodePaths
+    from tlt_trainers.modeling.cpu_paths import SDPA_GQA, CpuDecodePaths
 
     model = tiny_model()
     outer, inner = CpuDecodePaths(model.model, model.config), CpuDecodePaths(model.model, model.config)

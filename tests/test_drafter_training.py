@@ -9,7 +9,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.buffer import FeatureBuffer
 from tlt_trainers.drafter.trainer import estimated_acceptance_length
-from tlt_trainers.rollout.kv_cache import RowKV, RowState, additive_mask, attention_allowed
+from tlt_trainers.modeling.kv_cache import RowKV, RowState, additive_mask, attention_allowed
 
 
 @pytest.fixture(scope="module")

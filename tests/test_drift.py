@@ -4,7 +4,7 @@ import torch
 from tiny_models import PAD, char_tokenizer, padded_prompts, tiny_model
 
 from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
-from tlt_trainers.drafter.warmup import warmup_drafter
+from tlt_trainers.warmup import warmup_drafter
 
 
 def rollout(model, drafter, trainer=None, seed=0, rows=16, new_tokens=24, k=4):

@@ -10,9 +10,9 @@ from test_engine_trees import engine_samples, scripted_engine
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
-from tlt_trainers.rollout.generator import _Rollout
-from tlt_trainers.spec.sampling import SamplingParams
-from tlt_trainers.spec.strategy import parse_strategy
+from tlt_trainers.proposers.strategy import parse_strategy
+from tlt_trainers.rollout.rollout import Rollout
+from tlt_trainers.sampling.distribution import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_history_alone_needs_no_drafter_and_learns_across_steps(trained):
     second, _ = greedy_both(engine, model, ids, mask, max_new_tokens=30)  # the next RL step: same prompts
     assert torch.equal(second.sequences, reference)
     assert second.stats.acceptance_length > first.stats.acceptance_length > 1.0
-    assert second.stats.history_proposed > 0 and 0 < second.stats.history_bytes == engine.history.nbytes()
+    assert second.stats.history_proposed > 0 and 0 < second.stats.history_bytes == engine.rollout_history.nbytes()
 
 
 def test_history_with_drafter_tree_and_switching(trained):
@@ -61,12 +61,12 @@ def test_merged_tree_gives_rows_without_a_match_the_history_slots(trained):
     engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy.name))
     ids = torch.tensor([[3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25]])  # no token repeats: no own-context match
     first = model(ids).logits[:, -1].argmax(-1).tolist()  # the token prefill commits (greedy)
-    engine.history.add("a", ids[0].tolist() + [first[0], 9, 10, 11, 12, 13])  # row 0 continues in history
+    engine.rollout_history.add("a", ids[0].tolist() + [first[0], 9, 10, 11, 12, 13])  # row 0 continues in history
     params = SamplingParams(False, 1.0, 0, 1.0, None, 1.0)
-    rollout = _Rollout(engine, ids, torch.zeros(2, dtype=torch.long), params, 8, torch.tensor([EOS]), PAD, None,
-                       history_keys=["a", "b"])
+    rollout = Rollout(engine, ids, torch.zeros(2, dtype=torch.long), params, 8, torch.tensor([EOS]), PAD, None,
+                      history_keys=["a", "b"])
     rollout._prefill()
-    tree = rollout._proposal_tree(strategy)
+    tree = rollout.proposer_for(strategy).propose(rollout.rows, strategy).tree
     assert tree.num_nodes == 9
     assert tree.tokens[0, 5:].tolist() == [9, 10, 11, 12]
     assert tree.depths[0, 5:].tolist() == [1, 2, 3, 4] and tree.parents[0, 5:].tolist() == [0, 6, 7, 8]
@@ -86,7 +86,7 @@ def test_history_keys_group_rows(trained):
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="history:4"))
     ours = engine.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=EOS,
                            pad_token_id=PAD, history_keys=["a", "a", "b", "b"])
-    assert set(engine.history._groups) == {"a", "b"}
+    assert set(engine.rollout_history._groups) == {"a", "b"}
     assert ours.sequences.shape[0] == 4
     with pytest.raises(ValueError, match="history_keys has 3 entries for 4 rows"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD,
@@ -95,11 +95,11 @@ def test_history_keys_group_rows(trained):
 
 def test_history_can_be_switched_off(trained):
     model, drafter = trained
-    engine = SpeculativeGenerator(model, drafter, TLTConfig(history=False))
-    assert engine.history is None and not any(s.history for s in engine.strategies)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(history_drafting=False))
+    assert engine.rollout_history is None and not any(s.history_tokens for s in engine.strategies)
     assert {s.name for s in SpeculativeGenerator(model, None, TLTConfig()).strategies} == {"history:8"}
     with pytest.raises(ValueError, match="needs a drafter or history"):
-        SpeculativeGenerator(model, None, TLTConfig(history=False))
+        SpeculativeGenerator(model, None, TLTConfig(history_drafting=False))
     with pytest.raises(ValueError, match="needs a drafter"):
         SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="tree:2x2:3+history:2"))
     with pytest.raises(ValueError, match="only a tree combines with history"):

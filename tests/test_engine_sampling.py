@@ -125,7 +125,7 @@ def test_the_test_detects_a_small_temperature_change(model, bad_drafter):
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_first_acceptance_is_the_probability_the_first_draft_is_kept(draft_vocab):
     """The selector learns from sum(min(p_1, q_1)) instead of a 0/1 accept: it must be that probability."""
-    from tlt_trainers.spec.rejection import verify_sampled
+    from tlt_trainers.sampling.chain import verify_sampled
 
     gen = torch.Generator().manual_seed(0)
     vocab, k, rows = 12, 2, 4

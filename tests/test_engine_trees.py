@@ -16,8 +16,8 @@ from test_engine_sampling import NEW_TOKENS, PROMPT, SAMPLES, _pad, hf_samples, 
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
-from tlt_trainers.spec.strategy import parse_strategy
-from tlt_trainers.spec.tree import DraftTree, check_tree, verify_tree
+from tlt_trainers.proposers.strategy import parse_strategy
+from tlt_trainers.sampling.tree import DraftTree, check_tree, verify_tree
 
 TREES = ["tree:1x3:3", "tree:3x2:5", "tree:4x3:12", "tree:5x1:5"]
 

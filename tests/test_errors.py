@@ -12,7 +12,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 from transformers import GenerationConfig
 
 from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
-from tlt_trainers.spec.sampling import SamplingParams, check_generation_config
+from tlt_trainers.sampling.distribution import SamplingParams, check_generation_config
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +107,9 @@ def test_sampling_params_validate_on_their_own():
 def test_speculation_without_a_drafter(model):
     with pytest.raises(ValueError, match=r"speculation='always' needs a drafter or history proposals: pass "
                                          r"EagleDrafter.from_target"):
-        SpeculativeGenerator(model, None, TLTConfig(speculation="always", history=False))
+        SpeculativeGenerator(model, None, TLTConfig(speculation="always", history_drafting=False))
     with pytest.raises(ValueError, match=r"speculation='adaptive' needs a drafter.*speculation='never'"):
-        SpeculativeGenerator(model, None, TLTConfig(history=False))
+        SpeculativeGenerator(model, None, TLTConfig(history_drafting=False))
     with pytest.raises(ValueError, match=r"Strategy 'chain:3' needs a drafter: pass one, or use 'history:K'"):
         SpeculativeGenerator(model, None, TLTConfig(speculation="always", strategy="chain:3"))
     # Without a drafter, history proposals are the only strategy (no neural drafting at all).

@@ -23,20 +23,20 @@ def trained():
 
 def runs_with_runner(engine, **kwargs):
     """generate() and the graph runner it used."""
-    from tlt_trainers.rollout import generator
+    from tlt_trainers.rollout import graphs
 
     seen = []
-    original = generator.GraphRunner.__init__
+    original = graphs.GraphRunner.__init__
 
     def spy(self, *args, **kw):
         original(self, *args, **kw)
         seen.append(self)
 
-    generator.GraphRunner.__init__ = spy
+    graphs.GraphRunner.__init__ = spy
     try:
         result = engine.generate(**kwargs)
     finally:
-        generator.GraphRunner.__init__ = original
+        graphs.GraphRunner.__init__ = original
     return result, seen[0] if seen else None
 
 

@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from tlt_trainers.spec.history import HistoryIndex, Proposal, _Node
+from tlt_trainers.proposers.rollout_history import HistoryMatch, RolloutHistory, _Node
 
 
 def reference_propose(sequences, context, max_tokens, min_match, max_match, context_hits=8):
@@ -71,14 +71,14 @@ def deep_size(index):
 
 
 def test_sibling_continues_the_same_suffix():
-    index = HistoryIndex()
+    index = RolloutHistory()
     index.add("g", [1, 2, 3, 4, 5, 6])
     prop = index.propose("g", [9, 2, 3], 10)
-    assert prop == Proposal([4, 5, 6], 2, 1.0, [1.0, 1.0, 1.0])  # stops where the sibling ends
+    assert prop == HistoryMatch([4, 5, 6], 2, 1.0, [1.0, 1.0, 1.0])  # stops where the sibling ends
 
 
 def test_longest_match_first_then_the_most_frequent_continuation():
-    index = HistoryIndex()
+    index = RolloutHistory()
     for seq in ([1, 2, 3, 7], [1, 2, 3, 7], [5, 2, 3, 8], [6, 2, 3, 8], [4, 2, 3, 8]):
         index.add("g", seq)
     prop = index.propose("g", [9, 2, 3], 1)
@@ -88,7 +88,7 @@ def test_longest_match_first_then_the_most_frequent_continuation():
 
 
 def test_confidence_decays_along_the_chain():
-    index = HistoryIndex()
+    index = RolloutHistory()
     for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [0, 2, 3, 4, 6]):
         index.add("g", seq)
     prop = index.propose("g", [7, 2, 3], 2)
@@ -99,7 +99,7 @@ def test_confidence_decays_along_the_chain():
 
 
 def test_support_counts_the_occurrences_behind_each_token():
-    index = HistoryIndex(search_context=False)
+    index = RolloutHistory(search_context=False)
     index.add("g", [1, 2, 3, 4])
     single = index.propose("g", [2, 3], 1)
     for _ in range(3):
@@ -110,51 +110,51 @@ def test_support_counts_the_occurrences_behind_each_token():
 
 
 def test_own_context_lookup():
-    index = HistoryIndex()  # no history at all: the prompt's numbers are restated
+    index = RolloutHistory()  # no history at all: the prompt's numbers are restated
     prop = index.propose("g", [10, 11, 12, 13, 99, 10, 11], 2)
     assert (prop.tokens, prop.match_length) == ([12, 13], 2)
     # A loop in the row's own tail continues through the proposed tokens.
     assert index.propose("g", [5, 6, 5, 6], 5).tokens == [5, 6, 5, 6, 5]
-    assert HistoryIndex(search_context=False).propose("g", [5, 6, 5, 6], 5).tokens == []
+    assert RolloutHistory(search_context=False).propose("g", [5, 6, 5, 6], 5).tokens == []
 
 
 def test_own_context_counts_its_most_recent_occurrences():
     ctx = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2, 4, 6, 1, 2]  # 3 thrice, 4 twice but lately
-    assert HistoryIndex().propose("g", ctx, 1).tokens == [3]
-    assert HistoryIndex(max_context_hits=2).propose("g", ctx, 1).tokens == [4]
-    assert HistoryIndex(max_context_hits=2).propose("g", ctx, 1).confidence == 1.0
+    assert RolloutHistory().propose("g", ctx, 1).tokens == [3]
+    assert RolloutHistory(max_context_hits=2).propose("g", ctx, 1).tokens == [4]
+    assert RolloutHistory(max_context_hits=2).propose("g", ctx, 1).confidence == 1.0
 
 
 def test_tie_goes_to_the_rows_own_context():
-    index = HistoryIndex()
+    index = RolloutHistory()
     index.add("g", [1, 2, 8])
     assert index.propose("g", [1, 2, 9, 1, 2], 1).tokens == [9]
     assert index.propose("g", [0, 2, 9, 1, 2], 1).tokens == [8]  # no tie: the history's 2-match wins
 
 
 def test_no_match_is_an_empty_proposal():
-    index = HistoryIndex()
+    index = RolloutHistory()
     index.add("g", [1, 2, 3, 4])
     for ctx in ([], [4], [3, 1], [2, 3, 4]):  # [2, 3, 4] occurs, but nothing follows it
-        assert index.propose("g", ctx, 4) == Proposal([], 0, 0.0, [])
+        assert index.propose("g", ctx, 4) == HistoryMatch([], 0, 0.0, [])
 
 
 def test_min_match_is_respected():
-    index = HistoryIndex(min_match=3)
+    index = RolloutHistory(min_match=3)
     index.add("g", [1, 2, 3, 4, 5])
     assert index.propose("g", [9, 3, 4], 3).tokens == []
     assert index.propose("g", [2, 3, 4], 3).tokens == [5]
 
 
 def test_max_match_caps_the_reported_match():
-    index = HistoryIndex(max_match=3)
+    index = RolloutHistory(max_match=3)
     index.add("g", list(range(10)))
     prop = index.propose("g", list(range(6)), 2)
     assert (prop.tokens, prop.match_length) == ([6, 7], 3)
 
 
 def test_max_tokens_is_respected():
-    index = HistoryIndex()
+    index = RolloutHistory()
     index.add("g", list(range(20)))
     for n in (0, 1, 3, 7):
         prop = index.propose("g", [0, 1], n)
@@ -163,7 +163,7 @@ def test_max_tokens_is_respected():
 
 
 def test_keys_are_isolated():
-    index = HistoryIndex()
+    index = RolloutHistory()
     index.add("a", [1, 2, 3])
     index.add(("b", 7), [1, 2, 4])
     assert index.propose("a", [1, 2], 1).tokens == [3]
@@ -172,7 +172,7 @@ def test_keys_are_isolated():
 
 
 def test_eviction_by_steps_frees_memory():
-    index = HistoryIndex(keep_steps=2)
+    index = RolloutHistory(keep_steps=2)
     empty = index.nbytes()
     index.add("g", [1, 2, 3] + list(range(300, 400)))
     index.new_step()
@@ -192,7 +192,7 @@ def test_eviction_by_steps_frees_memory():
 
 
 def test_discard_forgets_only_the_sequences_with_that_prefix():
-    index = HistoryIndex(search_context=False)
+    index = RolloutHistory(search_context=False)
     index.add("g", [1, 2, 3, 7, 8])  # the replayed row's own answer
     index.add("g", [1, 2, 4, 5, 6])  # a sibling
     index.add("h", [1, 2, 3, 9, 9])  # another prompt
@@ -205,7 +205,7 @@ def test_discard_forgets_only_the_sequences_with_that_prefix():
 
 
 def test_eviction_by_max_tokens_keeps_memory_bounded():
-    index = HistoryIndex(max_tokens=250)
+    index = RolloutHistory(max_tokens=250)
     sizes = []
     for i in range(20):
         index.add(i % 3, [i, i + 1] + [1000 + 10 * i + j for j in range(98)])
@@ -220,12 +220,12 @@ def test_eviction_by_max_tokens_keeps_memory_bounded():
     assert index.propose("big", [998], 1).tokens == []
     assert index.propose("big", [997, 998], 1).tokens == [999]
     index.clear()
-    assert index.num_tokens == 0 and index.nbytes() == HistoryIndex().nbytes()
+    assert index.num_tokens == 0 and index.nbytes() == RolloutHistory().nbytes()
 
 
 def test_nbytes_is_honest():
     rng = random.Random(0)
-    index = HistoryIndex(max_tokens=6000)
+    index = RolloutHistory(max_tokens=6000)
     base = [rng.randrange(2000) for _ in range(400)]
     for step in range(4):
         for g in range(3):
@@ -239,7 +239,7 @@ def test_nbytes_is_honest():
 
 def test_propose_many_equals_propose():
     rng = random.Random(1)
-    index = HistoryIndex()
+    index = RolloutHistory()
     for g in range(3):
         for _ in range(4):
             index.add(g, [rng.randrange(5) for _ in range(60)])
@@ -253,7 +253,8 @@ def test_propose_many_equals_propose():
 @pytest.mark.parametrize("min_match,max_match,hits", [(1, 4, 16), (2, 3, 1), (2, 6, 2), (3, 3, 16)])
 def test_matches_brute_force_reference(min_match, max_match, hits):
     rng = random.Random(min_match * 10 + max_match)
-    index = HistoryIndex(max_tokens=300, min_match=min_match, max_match=max_match, keep_steps=2, max_context_hits=hits)
+    index = RolloutHistory(max_tokens=300, min_match=min_match, max_match=max_match, keep_steps=2,
+                           max_context_hits=hits)
     live = []  # (key, step, tokens) in insertion order, evicted like the index does
     step = 0
     for _ in range(150):
@@ -290,16 +291,16 @@ def test_matches_brute_force_reference(min_match, max_match, hits):
 
 def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
-        HistoryIndex(max_tokens=-1)
+        RolloutHistory(max_tokens=-1)
     with pytest.raises(ValueError, match="min_match must be >= 1"):
-        HistoryIndex(min_match=0)
+        RolloutHistory(min_match=0)
     with pytest.raises(ValueError, match=r"min_match \(5\) must be <= max_match \(4\)"):
-        HistoryIndex(min_match=5, max_match=4)
+        RolloutHistory(min_match=5, max_match=4)
     with pytest.raises(ValueError, match="keep_steps must be >= 1"):
-        HistoryIndex(keep_steps=0)
+        RolloutHistory(keep_steps=0)
     with pytest.raises(ValueError, match="max_context_hits must be >= 1"):
-        HistoryIndex(max_context_hits=0)
-    index = HistoryIndex()
+        RolloutHistory(max_context_hits=0)
+    index = RolloutHistory()
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
         index.propose("g", [1, 2], -1)
     with pytest.raises(ValueError, match="strip padding"):

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from tlt_trainers.kernels import verify_chain_reference
-from tlt_trainers.spec import verify_sampled, verify_sampled_with_uniforms
+from tlt_trainers.sampling import verify_sampled, verify_sampled_with_uniforms
 
 
 def random_dist(shape, gen, zeros=0.3):

@@ -5,9 +5,9 @@ import torch
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.proposers.strategy import NONE, Strategy, parse_strategy, tlt_prior
 from tlt_trainers.rollout.costs import CostProfile, monotone_envelope, selector_bucket
 from tlt_trainers.rollout.selector import StrategySelector
-from tlt_trainers.spec.strategy import NONE, Strategy, parse_strategy, tlt_prior
 
 ARMS = [parse_strategy(n) for n in ("chain:4", "tree:4x2:8", "tree:8x4:32")]
 
@@ -173,8 +173,8 @@ def test_history_arm_is_valued_from_the_steps_own_proposals():
     selector.history_outcomes.append((0, 64, 1000, 1000))  # calibrated: predictions come true
     everyone = [min(w, 6) * 0.9 for w in range(1, 9)]
     chosen = selector.choose(64, everyone)
-    assert chosen.kind == "history" and chosen.history == 4  # 8 costs 3.3 plain steps for 6 tokens at most
-    assert selector.choose(1, everyone) == Strategy("history", history=8)
+    assert chosen.kind == "history" and chosen.history_tokens == 4  # 8 costs 3.3 plain steps for 6 tokens at most
+    assert selector.choose(1, everyone) == Strategy("history", history_tokens=8)
 
 
 def test_history_calibration_learns_from_what_was_accepted():
@@ -186,7 +186,7 @@ def test_history_calibration_learns_from_what_was_accepted():
     for _ in range(10):  # the proposals' matches turn out right for a tenth of what they predicted
         chosen = selector.choose(64, expected)
         seconds = selector.profile.step_seconds(chosen, 64)  # costs as profiled
-        selector.observe(chosen, 64, 64, seconds, accepted=int(0.1 * expected[chosen.history - 1] * 64))
+        selector.observe(chosen, 64, 64, seconds, accepted=int(0.1 * expected[chosen.history_tokens - 1] * 64))
     assert selector.history_calibration() < 0.2
     assert selector.choose(64, expected) == NONE
     assert selector.summary()["history_calibration"] == pytest.approx(selector.history_calibration())
@@ -201,7 +201,7 @@ def test_history_calibration_is_learnt_per_bucket():
         for _ in range(20):
             chosen = selector.choose(batch, expected)
             assert chosen.kind == "history"
-            predicted = expected[chosen.history - 1] * batch
+            predicted = expected[chosen.history_tokens - 1] * batch
             selector.observe(chosen, batch, batch, selector.profile.step_seconds(chosen, batch),
                              accepted=round(share * predicted))
             if selector.choose(batch, expected) == NONE:
@@ -314,9 +314,9 @@ def test_history_proposals_are_not_computed_where_even_certain_matches_cannot_pa
     selector = StrategySelector([arm], profile, exploration=0.0)
     assert selector.history_bound(arm, 64) < selector.min_speedup  # calibration 0.5: nothing can pay at 64
     assert selector.choose(64, proposals(1.0)) == NONE and asked == []
-    assert selector.choose(1, proposals(1.0)) == Strategy("history", history=8) and asked == [1.0]
-    selector.observe(Strategy("history", history=8), 1, 9, profile.step_seconds(Strategy("history", history=8), 1),
-                     accepted=8)
+    assert selector.choose(1, proposals(1.0)) == Strategy("history", history_tokens=8) and asked == [1.0]
+    history8 = Strategy("history", history_tokens=8)
+    selector.observe(history8, 1, 9, profile.step_seconds(history8, 1), accepted=8)
     selector.history_outcomes.extend([(1, 64, 1000, 1000)] * 20)  # calibrated at 64: matches come true
     assert selector.history_bound(arm, 64) > selector.min_speedup
     assert selector.choose(64, proposals(0.9)).kind == "history" and asked == [1.0, 0.9]

@@ -268,6 +268,6 @@ def test_history_drafting_is_on_by_default(tmp_path):
 
     for args in (TLTGRPOConfig(**grpo_kwargs(tmp_path)), GRPOConfig(**grpo_kwargs(tmp_path))):
         config = resolve_tlt_settings(args).tlt_config()
-        assert config.history and any(s.history for s in config.speculation_strategies())
+        assert config.history_drafting and any(s.history_tokens for s in config.speculation_strategies())
     off = resolve_tlt_settings(TLTGRPOConfig(**grpo_kwargs(tmp_path), history_drafting=False)).tlt_config()
-    assert not any(s.history for s in off.speculation_strategies())
+    assert not any(s.history_tokens for s in off.speculation_strategies())

@@ -7,6 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+from .settings import DrafterSettings, add_setting_arguments
+
+# The settings of DrafterSettings a standalone warm-up uses (the others are about training during RL).
+WARMUP_SETTINGS = ("draft_vocab_size", "drafter_unroll_steps", "drafter_warmup_lr", "drafter_warmup_seconds")
+
 
 def _warmup_parser(sub) -> None:
     p = sub.add_parser("warmup-drafter", help="train a fresh drafter on the policy's own answers",
@@ -23,16 +28,17 @@ def _warmup_parser(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for measuring acceptance")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--train-seconds", type=float, default=300.0)
-    p.add_argument("--draft-vocab-size", type=int, default=4096, help="0 drafts over the full vocabulary")
-    p.add_argument("--unroll-steps", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
+    # The drafter's settings, named, typed and documented as in TLTGRPOConfig and veRL's tlt: section. A standalone
+    # warm-up trains longer by default than the trainer's (whose warm-up delays the first RL step).
+    add_setting_arguments(p, DrafterSettings, WARMUP_SETTINGS, defaults={"drafter_warmup_seconds": 300.0},
+                          aliases={"drafter_warmup_seconds": ["--train-seconds"], "drafter_unroll_steps":
+                                   ["--unroll-steps"], "drafter_warmup_lr": ["--lr"]})
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="write the warm-up report as JSON here")
 
 
 def _prompts(args, tokenizer, count: int, seed: int) -> list[str]:
-    from .drafter.warmup import dataset_prompts, reasoning_gym_prompts
+    from .warmup import dataset_prompts, reasoning_gym_prompts
 
     if args.dataset.startswith("reasoning-gym:"):
         return reasoning_gym_prompts(tokenizer, count, task=args.dataset.split(":", 1)[1], seed=seed)
@@ -40,16 +46,19 @@ def _prompts(args, tokenizer, count: int, seed: int) -> list[str]:
 
 
 def warmup_command(args) -> int:
-    from .drafter.warmup import warmup_drafter
+    from .drafter.setup import draft_vocab_size
     from .pretrained import load_model
+    from .warmup import warmup_drafter
 
+    DrafterSettings(**{name: getattr(args, name) for name in WARMUP_SETTINGS})  # the same checks as the trainers'
     model, tokenizer = load_model(args.model)
+    vocab = model.get_output_embeddings().weight.shape[0]
     prompts = _prompts(args, tokenizer, args.num_prompts, args.seed)
     eval_prompts = _prompts(args, tokenizer, args.eval_prompts, args.seed + 10_000) if args.eval_prompts else None
     drafter, report = warmup_drafter(
-        model, tokenizer, prompts, draft_vocab_size=args.draft_vocab_size or None,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, train_seconds=args.train_seconds,
-        unroll_steps=args.unroll_steps, lr=args.lr, eval_prompts=eval_prompts, seed=args.seed)
+        model, tokenizer, prompts, draft_vocab_size=draft_vocab_size(args.draft_vocab_size, vocab),
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, train_seconds=args.drafter_warmup_seconds,
+        unroll_steps=args.drafter_unroll_steps, lr=args.drafter_warmup_lr, eval_prompts=eval_prompts, seed=args.seed)
     out = Path(args.out)
     drafter.config.target_name_or_path = args.model
     drafter.save_pretrained(out)
@@ -60,10 +69,15 @@ def warmup_command(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlt", description="tlt-trainers command line")
     sub = parser.add_subparsers(dest="command", required=True)
     _warmup_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "warmup-drafter":
         return warmup_command(args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .spec.strategy import Strategy, parse_strategy
+from .proposers.strategy import Strategy, parse_strategy
 
 SPECULATION_MODES = ("adaptive", "always", "never")
 # Chains for sampling (a drafter's q is used, not only its top choices), trees for confident drafters. A chain of
@@ -24,15 +24,21 @@ class TLTConfig:
 
     speculation: str = field(
         default="adaptive",
-        metadata={"help": "'adaptive' speculates only while the active batch is small, 'always' at every step, "
-                  "'never' decodes one token per step with the same engine (the baseline)."},
+        metadata={"help": "'adaptive' speculates only where it is expected to pay: while the active batch is small "
+                  "(the long tail of a rollout, where a step costs nearly the same for more tokens), with the "
+                  "strategy the selector expects to be fastest. 'always' speculates at every step; 'never' decodes "
+                  "one token per step with the same engine (the baseline, no drafter).",
+                  "choices": list(SPECULATION_MODES)},
     )
     num_speculative_tokens: int | None = field(
         default=None,
-        metadata={"help": "Fixed chain length k. None lets the engine choose (default_num_speculative_tokens)."},
+        metadata={"help": "Fixed chain length k (draft tokens per row and step): the adaptive engine then only "
+                  "chooses between that chain and plain decoding. None lets it choose among its strategies."},
     )
     default_num_speculative_tokens: int = field(
-        default=4, metadata={"help": "Chain length used when num_speculative_tokens is not fixed."}
+        default=4,
+        metadata={"help": "Draft length of speculation='always' (a chain, or history:K without a drafter) when "
+                  "neither num_speculative_tokens nor strategy is set."},
     )
     max_speculative_batch_size: int | None = field(
         default=None,
@@ -41,46 +47,60 @@ class TLTConfig:
     )
     strategy: str | None = field(
         default=None,
-        metadata={"help": "With speculation='always', the strategy of every step: 'chain:K' or 'tree:DxW:N' "
-                  "(default: a chain of num_speculative_tokens or default_num_speculative_tokens)."},
+        metadata={"help": "With speculation='always', the strategy of every step: 'chain:K' (K drafted tokens), "
+                  "'tree:DxW:N' (a draft tree of depth D, width W, N verified nodes), 'history:K' (K tokens from "
+                  "rollout history, no drafter) or 'tree:DxW:N+history:K'. Default: a chain of "
+                  "num_speculative_tokens or default_num_speculative_tokens."},
     )
     strategies: tuple[str, ...] | None = field(
         default=None,
-        metadata={"help": "With speculation='adaptive', the strategies the selector chooses among besides plain "
-                  f"decoding (default: {', '.join(DEFAULT_STRATEGIES)}; only the fixed chain when "
-                  "num_speculative_tokens is set)."},
+        metadata={"help": "With speculation='adaptive', the strategies (as in strategy) the selector chooses among "
+                  f"besides plain decoding. Default: {', '.join(DEFAULT_STRATEGIES)}, and with history_drafting "
+                  f"{', '.join(DEFAULT_HISTORY_STRATEGIES)}; only the fixed chain when num_speculative_tokens is "
+                  "set."},
     )
-    history: bool = field(
+    history_drafting: bool = field(
         default=True,
-        metadata={"help": "Propose draft tokens from rollout history (finished siblings of the same prompt, earlier "
-                  "steps' rollouts, the row's own context) as extra strategies; exact like every proposal."},
+        metadata={"help": "Also propose draft tokens from rollout history: finished completions of the same prompt "
+                  "(a GRPO group's siblings, earlier steps' rollouts) and the row's own context. RL rollouts of one "
+                  "prompt repeat each other, and these proposals cost no drafter compute; exact like every "
+                  "proposal."},
     )
     history_max_tokens: int = field(
-        default=500_000, metadata={"help": "Tokens of rollout history kept (oldest evicted first)."}
+        default=500_000,
+        metadata={"help": "Tokens of rollout history kept for history drafting (oldest evicted first): bounds its "
+                  "memory."},
     )
     history_keep_steps: int = field(
-        default=4, metadata={"help": "generate() calls (RL steps) whose rollouts stay in the history."}
+        default=4,
+        metadata={"help": "generate() calls (RL steps) whose rollouts stay in the history: the policy moves away "
+                  "from older rollouts."},
     )
     min_speedup: float = field(
         default=1.25,
-        metadata={"help": "The adaptive selector speculates only where it expects at least this speedup over plain "
-                  "decoding per step: smaller predicted gains are within the noise of its estimates (step times on a "
-                  "busy CPU vary by 10-15%), and a per-step gain does not see that speculation spreads the rows' "
-                  "finishing steps (the steps after the first rows finish cost nearly as much on a CPU). Where "
-                  "speculation really pays (the tail on a GPU, long history matches) it pays far more."},
+        metadata={"help": "The adaptive selector speculates only where it expects at least this speedup per step "
+                  "over plain decoding. The margin covers the noise of its cost and acceptance estimates, and "
+                  "a cost a per-step estimate does not see: speculation spreads the steps at which the rows "
+                  "finish, so the batch stays wider for longer. 1 speculates at any expected gain."},
     )
     cuda_graphs: str = field(
         default="auto",
-        metadata={"help": "'auto': replay CUDA graphs of the decode/verify passes on CUDA devices (eager elsewhere); "
-                  "'off': never; 'static': the graphs' static-buffer path without capturing, on any device (tests)."},
+        metadata={"help": "'auto': replay CUDA graphs of the decode and verify passes on CUDA devices, which saves "
+                  "the kernel launches that dominate small-batch steps (eager elsewhere); 'off': never; 'static': "
+                  "the graphs' static-buffer path without capturing, on any device (for tests).",
+                  "choices": ["auto", "off", "static"]},
     )
     selector_window: int = field(
-        default=256, metadata={"help": "Steps of acceptance history the adaptive selector remembers."}
+        default=256,
+        metadata={"help": "Steps of acceptance history the adaptive selector remembers: a shorter window follows a "
+                  "drafter that improves during RL sooner, a longer one averages more noise out."},
     )
     exploration: float = field(
-        default=0.1, metadata={"help": "UCB exploration weight of the adaptive selector (0: always exploit)."}
+        default=0.1,
+        metadata={"help": "UCB exploration weight of the adaptive selector: how often it retries strategies that "
+                  "look worse, whose acceptance changes as the drafter trains (0: always exploit)."},
     )
-    show_progress: bool = field(default=False, metadata={"help": "Show a progress bar over decode steps."})
+    show_progress: bool = field(default=False, metadata={"help": "Show a progress bar over the decode steps."})
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -125,53 +145,22 @@ class TLTConfig:
             elif self.num_speculative_tokens is not None:
                 names = [f"chain:{self.num_speculative_tokens}"]
             else:
-                names = list(DEFAULT_STRATEGIES) + (list(DEFAULT_HISTORY_STRATEGIES) if self.history else [])
+                names = list(DEFAULT_STRATEGIES) + (list(DEFAULT_HISTORY_STRATEGIES) if self.history_drafting else [])
             arms = [parse_strategy(name) for name in names]
             arms = [a for a in arms if a.kind != "none"]
             if not has_drafter:
                 arms = [a for a in arms if not a.uses_drafter]
-            if not self.history:
-                arms = [a for a in arms if not a.history]
+            if not self.history_drafting:
+                arms = [a for a in arms if not a.history_tokens]
             if not arms:
                 raise ValueError(
                     "TLTConfig leaves the adaptive engine no speculative strategy (strategies that need a drafter "
-                    "without one, or history strategies with history=False); use speculation='never' instead."
+                    "without one, or history strategies with history_drafting=False); use speculation='never' instead."
                 )
         for arm in arms:
             if arm.uses_drafter and not has_drafter:
                 raise ValueError(f"Strategy {arm.name!r} needs a drafter: pass one, or use 'history:K'.")
-            if arm.history and not self.history:
-                raise ValueError(f"Strategy {arm.name!r} proposes from history but TLTConfig.history is False.")
+            if arm.history_tokens and not self.history_drafting:
+                raise ValueError(f"Strategy {arm.name!r} proposes from history but history_drafting is False.")
         return arms
 
-
-def check_trainer_settings(values: dict) -> None:
-    """Validate the trainer-level TLT settings shared by the TRL config and veRL's ``tlt:`` section.
-
-    Only the names present in ``values`` are checked, so each adapter passes the fields it has.
-    """
-    def given(name):
-        return values.get(name) is not None
-
-    if "speculation" in values and values["speculation"] not in SPECULATION_MODES:
-        raise ValueError(f"speculation={values['speculation']!r} is not one of {SPECULATION_MODES}.")
-    if given("num_speculative_tokens") and values["num_speculative_tokens"] < 1:
-        raise ValueError(f"num_speculative_tokens={values['num_speculative_tokens']} must be >= 1 (or None); use "
-                         "speculation='never' to stop drafting.")
-    if given("draft_vocab_size") and values["draft_vocab_size"] < 0:
-        raise ValueError("draft_vocab_size must be None (automatic), 0 (full vocabulary) or a positive size.")
-    for name in ("drafter_update_fraction", "drafter_update_seconds", "drafter_max_idle_seconds",
-                 "drafter_warmup_seconds"):
-        if given(name) and values[name] < 0:
-            raise ValueError(f"{name}={values[name]} must be >= 0 (0 switches that training off).")
-    if given("max_speculative_batch_size") and values["max_speculative_batch_size"] < 1:
-        raise ValueError("max_speculative_batch_size must be >= 1, or None to decide from measured costs.")
-    for name in ("drafter_unroll_steps", "drafter_micro_batch_size", "drafter_buffer_bytes"):
-        if given(name) and values[name] < 1:
-            raise ValueError(f"{name}={values[name]} must be >= 1.")
-    if given("drafter_max_steps_per_update") and values["drafter_max_steps_per_update"] < 0:
-        raise ValueError("drafter_max_steps_per_update must be >= 0 or None.")
-    if given("drafter_warmup_prompts") and values["drafter_warmup_prompts"] < 0:
-        raise ValueError("drafter_warmup_prompts must be >= 0.")
-    if "drafter_lr" in values and not (values["drafter_lr"] or 0) > 0:
-        raise ValueError(f"drafter_lr={values['drafter_lr']} must be > 0.")

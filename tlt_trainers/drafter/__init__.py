@@ -1,6 +1,7 @@
 """EAGLE-style drafters that read the policy's hidden states."""
 
+from .base import Drafter
 from .config import EagleDrafterConfig
 from .eagle import EagleDrafter
 
-__all__ = ["EagleDrafter", "EagleDrafterConfig"]
+__all__ = ["Drafter", "EagleDrafter", "EagleDrafterConfig"]

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..rollout.kv_cache import RowKV
-from ..rollout.target import apply_logit_transform, logit_transform, text_config
+from ..modeling.kv_cache import RowKV
+from ..modeling.target import apply_logit_transform, logit_transform, text_config
+from .base import Drafter
 from .config import WEIGHTS_NAME, EagleDrafterConfig
 
 
@@ -104,7 +105,7 @@ class _TargetModules:
         self.embed, self.head = embed, head
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(Drafter):
     """A one-layer EAGLE drafter bound to a policy's embedding and LM head."""
 
     def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
@@ -204,6 +205,11 @@ class EagleDrafter(nn.Module):
 
     # ----------------------------------------------------------------- vocabulary
     @property
+    def feature_size(self) -> int:
+        """EAGLE-1 reads the policy's last hidden state: the policy's hidden size."""
+        return self.config.hidden_size
+
+    @property
     def draft_vocab_size(self) -> int:
         return self.config.draft_vocab_size if self.config.uses_draft_vocab else self.config.vocab_size
 
@@ -289,9 +295,6 @@ class EagleDrafter(nn.Module):
         """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
         logits = F.linear(predicted, self.head_weight()).to(torch.float32)
         return apply_logit_transform(logits, self.config.final_logit_softcapping, self.config.logit_scale)
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
     def new_kv(self, capacity: int) -> RowKV:
         return RowKV(capacity)

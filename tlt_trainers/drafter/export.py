@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..rollout.target import logit_transform, text_config
+from ..modeling.target import logit_transform, text_config
 from .config import CONFIG_NAME, WEIGHTS_NAME, EagleDrafterConfig
 from .eagle import EagleDrafter
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from ..rollout.target import TargetModel
+from ..modeling.target import TargetModel
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME
 from .eagle import EagleDrafter
@@ -85,10 +85,10 @@ class DrafterTrainer:
     def add_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk: int = 8) -> int:
         """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer.
 
-        Rows run in chunks of similar length, each cut to the columns its rows use: rollouts padded to the
-        longest answer are mostly padding (a 256-token cap with a median answer of ~60 tokens), and the forward
-        over them was most of a warm-up's time budget. Rows are sorted within blocks of ``8 * chunk`` taken in
-        the order given, and enter the buffer in that order, so at most one block's features are held at once.
+        Rows run in chunks of similar length, each cut to the columns its rows use: long-tailed rollouts padded
+        to the longest answer are mostly padding, and a forward over it would cost more than the rows' own
+        tokens. Rows are sorted within blocks of ``8 * chunk`` taken in the order given, and enter the buffer in
+        that order, so at most one block's features are held at once.
         """
         device = self.target.device
         input_ids = input_ids.to(device)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..spec.strategy import Strategy
-from .kv_cache import RowKV, RowState, WritePlan, additive_mask, attention_allowed
+from ..modeling.kv_cache import RowKV, RowState, WritePlan, additive_mask, attention_allowed
+from ..proposers.strategy import Strategy
 
 
 def selector_bucket(batch_size: int) -> int:
@@ -139,10 +139,10 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
 
     Token counts are measured in increasing order per batch size and stop once a forward costs more
     than the most any remaining strategy could emit per row, over ``min_speedup``: such strategies cannot
-    pay there (at batch 64 on this CPU that skips forwards of 4-6 seconds each). Each
+    pay there, and on a CPU at large batch those are the slowest forwards of the table. Each
     entry is the fastest of ``repeats`` timings taken in separate passes over the whole table: a busy
-    CPU's bursts of slowness last seconds, so back-to-back repeats fell into the same burst (batch 64's
-    plain step once read 1.7x its real cost, and every strategy there looked cheap relative to it).
+    CPU's bursts of slowness can last seconds, so back-to-back repeats would fall into the same burst, and a
+    plain step timed in one makes every strategy at that batch size look cheap relative to it.
     """
     profile = profile or CostProfile()
     todo = sorted(set(batch_sizes) - set(profile.batch_sizes()))
@@ -188,7 +188,8 @@ def monotone_envelope(table: dict[tuple[int, int], float]) -> dict[tuple[int, in
     """Each (batch, tokens) entry capped by the cheapest entry with at least as many rows and tokens.
 
     More rows or more tokens per row is never less work, so an entry above a larger one's was timed in a burst
-    of slowness (a busy CPU's noise is one-sided). Left as measured, such a spike at (4, 1) made every
-    speculative strategy at batch 4 look cheap relative to plain decoding, and the engine speculated at a loss.
+    of slowness (a busy CPU's noise is one-sided). Left as measured, a spike on a plain step (b, 1) would make
+    every speculative strategy at batch b look cheap relative to plain decoding, and the engine would speculate
+    at a loss.
     """
     return {(b, q): min(s for (b2, q2), s in table.items() if b2 >= b and q2 >= q) for (b, q) in table}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache import RowCache, WritePlan
+from ..modeling.kv_cache import RowCache, WritePlan
 
 
 def graph_bucket(batch: int) -> int:

@@ -11,7 +11,7 @@ estimated separately because they generalise differently:
 * the relative cost depends on the batch size and the device: a profile predicts it and every
   step corrects the prediction for its bucket (see :mod:`.costs`). A speculative step is measured
   against the bucket's recent plain steps, not against the profile: contexts grow during a rollout
-  and this CPU's speed drifts by 10-20% over minutes, so only steps close in time compare. When a
+  and a machine's speed drifts over minutes (a shared or busy CPU), so only steps close in time compare. When a
   bucket's plain reference is older than ``refresh_steps`` steps, the next step there is plain.
 
 Plain decoding has speedup 1 by definition and is always an arm, so speculation is used only
@@ -30,7 +30,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from ..spec.strategy import NONE, Strategy, tlt_prior
+from ..proposers.strategy import NONE, Strategy, tlt_prior
 from .costs import CostProfile, selector_bucket
 
 
@@ -69,22 +69,22 @@ class StrategySelector:
     def _prior(self, strategy: Strategy, batch: int) -> float:
         """Tokens per step assumed before any measurement; TLT's choice for the bucket ranks first.
 
-        The first draft token counts 0.45 (drafters warmed on the policy's answers accept it 43-55% of the time
-        in our measurements), each further level 0.25: a flat 0.25 a level left ``chain:1`` below what it pays
-        on a CPU at batch 1, so it was rarely tried."""
-        levels = max(strategy.depth, 0.6 * strategy.history)
+        The first draft token counts 0.45, roughly how often a drafter warmed on the policy's answers gets it
+        accepted, each further level 0.25: valuing the first level like the later ones would rank ``chain:1``,
+        the cheapest arm, below what it pays, and it would rarely be tried."""
+        levels = max(strategy.depth, 0.6 * strategy.history_tokens)
         value = 1.0 + 0.25 * levels + (0.2 if levels >= 1 else 0.0)
         if strategy == tlt_prior(batch):
             value += 0.5
         return min(value, strategy.max_emitted)
 
     def _recent(self, strategy: Strategy, bucket: int | None = None) -> deque:
-        history = self.observed[strategy.name] if bucket is None else self.observed_in.get((bucket, strategy.name))
-        if history is None:
+        recent = self.observed[strategy.name] if bucket is None else self.observed_in.get((bucket, strategy.name))
+        if recent is None:
             return deque()
-        while history and history[0][0] <= self.steps - self.window:
-            history.popleft()
-        return history
+        while recent and recent[0][0] <= self.steps - self.window:
+            recent.popleft()
+        return recent
 
     def acceptance(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
         """Tokens per row and step: windowed mean with the prior as pseudo-observations, shrunk toward this
@@ -95,15 +95,15 @@ class StrategySelector:
         would otherwise rule the arm out for good (the bonus alone is too small to bring it back). The same
         holds for its cost in a bucket (see :meth:`speedup`): one slow step must not lock a cheap arm out.
         """
-        history = self._recent(strategy)
-        n = len(history) + self.prior_steps
+        recent = self._recent(strategy)
+        n = len(recent) + self.prior_steps
         prior = self._prior(strategy, batch)
-        mean = (sum(a for _, a in history) + self.prior_steps * prior) / n
+        mean = (sum(a for _, a in recent) + self.prior_steps * prior) / n
         own = self._recent(strategy, selector_bucket(batch))
         if own:
             mean = (sum(a for _, a in own) + self.bucket_weight * mean) / (len(own) + self.bucket_weight)
         if optimism:
-            if len(history) < self.min_trials:
+            if len(recent) < self.min_trials:
                 mean = max(mean, prior)
             mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
         return min(mean, strategy.max_emitted)
@@ -164,7 +164,7 @@ class StrategySelector:
         kappa = self.history_calibration(batch)
         best_value, best = 0.0, arm
         for w in arm.history_widths:
-            chain = Strategy("history", history=w)
+            chain = Strategy("history", history_tokens=w)
             cost = self.relative_cost(chain, batch)
             if not math.isfinite(cost) or w > len(expected):
                 continue
@@ -179,7 +179,7 @@ class StrategySelector:
         kappa = self.history_calibration(batch)
         bound = 0.0
         for w in arm.history_widths:
-            cost = self.relative_cost(Strategy("history", history=w), batch)
+            cost = self.relative_cost(Strategy("history", history_tokens=w), batch)
             if math.isfinite(cost):
                 bound = max(bound, (1.0 + kappa * w) / cost)
         return bound
@@ -192,8 +192,9 @@ class StrategySelector:
 
         ``history_expected[w - 1]``: accepted tokens per row this step's history proposals predict for a chain of
         w; given, it values the ``history:K`` arms instead of their running mean. A callable is asked only where
-        the arm could win with every proposal accepted: at large batch on a CPU it cannot, and computing the
-        proposals for every row was the engine's largest cost outside the forward there.
+        the arm could win with every proposal accepted: where verification is dear (large batch on a CPU) it
+        cannot, and computing proposals for every row of a large batch is a cost outside the forward that is
+        better skipped.
         """
         best, best_value = NONE, self.min_speedup
         self._history_prediction = None
@@ -214,7 +215,7 @@ class StrategySelector:
         if best.kind != "none" and seen is not None and self.steps - seen >= self.refresh_steps:
             best = NONE  # the bucket's plain pace is stale: measure it again before comparing against it
         if best.kind == "history" and expected is not None:
-            self._history_prediction = (best, expected[best.history - 1] * batch)
+            self._history_prediction = (best, expected[best.history_tokens - 1] * batch)
         counts = self.chosen.setdefault(bucket, {})
         counts[best.name] = counts.get(best.name, 0) + 1
         return best

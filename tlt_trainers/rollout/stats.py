@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 1 << 30))
 
@@ -125,3 +129,26 @@ class RolloutCounters:
     def acceptance_length(self) -> float:
         rows = self.values["row_forwards"]
         return self.values["emitted_tokens"] / rows if rows else float("nan")
+
+
+class StepTimer:
+    """Adds the wall time of a phase (``prefill``, ``draft``, ``verify``, ``decode``) to ``stats.<phase>_seconds``;
+    on CUDA it synchronizes first, so a phase's time is the device's, not the launch's."""
+
+    def __init__(self, stats: GenerationStats, device: torch.device):
+        self.stats, self.sync = stats, device.type == "cuda"
+        self.device = device
+
+    def now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        start = self.now()
+        try:
+            yield
+        finally:
+            field_name = f"{name}_seconds"
+            setattr(self.stats, field_name, getattr(self.stats, field_name) + self.now() - start)

@@ -35,7 +35,7 @@ from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import TRAINER_STATE
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
-from ..spec.sampling import SamplingParams, check_generation_config
+from ..sampling.distribution import SamplingParams, check_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
 from .sync import COLUMN, STAT_FIELDS, RankGroup
 
@@ -407,7 +407,7 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _tlt_warmup(self) -> None:
         """Fit the drafter to the policy's answers before RL starts (main process; then shared with all ranks)."""
-        from ..drafter.warmup import warmup_drafter
+        from ..warmup import warmup_drafter
 
         settings = self.tlt_settings
         if self.accelerator.is_main_process:
@@ -424,8 +424,8 @@ class TLTGRPOTrainer(GRPOTrainer):
                             policy, self._tokenizer, prompts, drafter=self.drafter,
                             max_new_tokens=int(self._tlt_max_new_tokens or 64), temperatures=temperatures,
                             batch_size=8, train_seconds=settings.drafter_warmup_seconds,
-                            unroll_steps=settings.drafter_unroll_steps, seed=int(self.args.seed),
-                            show_progress=False, log=logger.info)
+                            unroll_steps=settings.drafter_unroll_steps, lr=settings.drafter_warmup_lr,
+                            seed=int(self.args.seed), show_progress=False, log=logger.info)
             finally:
                 self._tokenizer.padding_side = side
             self.drafter.bind(_policy_of(self.accelerator.unwrap_model(self.model)))

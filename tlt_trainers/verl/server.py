@@ -26,7 +26,7 @@ from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import DrafterTrainer
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
-from ..spec.sampling import SamplingParams, process_logits
+from ..sampling.distribution import SamplingParams, process_logits
 from .settings import TLTSection
 
 logger = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class TLTRolloutServer:
         values = dict(self.counters.values)
         values.update(rows=self.rows_served, busy_seconds=self.busy_seconds,
                       acceptance_length=self.counters.acceptance_length,
-                      history_bytes=self.engine.history.nbytes() if self.engine.history is not None else 0,
+                      history_bytes=history.nbytes() if (history := self.engine.rollout_history) is not None else 0,
                       buffer_sequences=len(self.trainer.buffer) if self.trainer is not None else 0,
                       drafter_total_steps=self.trainer.step if self.trainer is not None else 0)
         if reset:

@@ -1,48 +1,29 @@
-"""The ``tlt:`` section of a veRL config: the same knobs as TLTGRPOConfig, checked the same way.
+"""The ``tlt:`` section of a veRL config: the same settings as TLTGRPOConfig, with the same names and checks.
 
-veRL passes it to the rollout servers inside ``actor_rollout_ref.rollout.custom.tlt`` (the rollout
-config's extension point), so only plain values live here.
+Its fields are generated from :class:`~tlt_trainers.config.TLTConfig` (the engine),
+:class:`~tlt_trainers.settings.DrafterSettings` (less the warm-up, TRL's only) and
+:class:`~tlt_trainers.settings.RolloutServerSettings`; the YAML's ``tlt:`` block is generated from them too
+(``python -m tlt_trainers.settings``). veRL passes the section to the rollout servers inside
+``actor_rollout_ref.rollout.custom.tlt`` (the rollout config's extension point), so only plain values live here.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
-from ..config import TLTConfig, check_trainer_settings
+from ..config import TLTConfig
+from ..settings import TRL_ONLY, VERL_SETTINGS, DrafterSettings, check_settings, source_values, with_settings
 
 
 @dataclass
+@with_settings(*VERL_SETTINGS, exclude=TRL_ONLY)
 class TLTSection:
-    """TLT settings for veRL. Field names and meanings match :class:`tlt_trainers.TLTGRPOConfig`."""
+    """TLT settings for veRL. Names, defaults and meanings match :class:`tlt_trainers.TLTGRPOConfig`'s."""
 
-    speculation: str = "adaptive"
-    num_speculative_tokens: int | None = None
-    max_speculative_batch_size: int | None = None
-    history_drafting: bool = True
-    drafter_name_or_path: str | None = None
-    draft_vocab_size: int | None = None
-    drafter_lr: float = 3e-4
-    drafter_unroll_steps: int = 2
-    drafter_micro_batch_size: int = 8
-    # No rollout replica was idle (one replica, or all finished together): train this long after the rollout,
-    # as a fraction of the rollout's time, at most drafter_update_seconds.
-    drafter_update_fraction: float = 0.1
-    drafter_update_seconds: float = 30.0
-    drafter_max_idle_seconds: float = 120.0  # most seconds an idle replica trains while others still generate
-    drafter_max_steps_per_update: int | None = None
-    drafter_buffer_bytes: int = 512 << 20
-    batch_wait_ms: float = 20.0  # a server gathers requests this long before starting a batch
-    dtype: str = "auto"  # policy dtype in the rollout server: auto (float32 on CPU, bfloat16 on CUDA), float32, ...
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0
-
-    def __post_init__(self):
-        check_trainer_settings(asdict(self))
-        if self.batch_wait_ms < 0:
-            raise ValueError(f"tlt.batch_wait_ms={self.batch_wait_ms} must be >= 0.")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"tlt.dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16.")
+    def __post_init__(self) -> None:
+        check_settings(self)
 
     @classmethod
     def from_mapping(cls, values: Any) -> TLTSection:
@@ -59,15 +40,23 @@ class TLTSection:
         except ImportError:  # plain dicts need no omegaconf
             pass
         values = dict(values)
-        known = {f.name for f in fields(cls)}
+        trl_only = sorted(set(values) & set(TRL_ONLY))
+        if trl_only:
+            raise ValueError(f"{trl_only} in the tlt: section: the drafter warm-up is TLTGRPOTrainer's only. veRL's "
+                             "rollout servers start from a saved drafter: run `tlt warmup-drafter --model ... --out "
+                             "DIR` and set tlt.drafter_name_or_path=DIR.")
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"Unknown key(s) in the tlt: section: {unknown}. Known keys: {sorted(known)}.")
         return cls(**values)
 
     def tlt_config(self) -> TLTConfig:
-        return TLTConfig(speculation=self.speculation, num_speculative_tokens=self.num_speculative_tokens,
-                         max_speculative_batch_size=self.max_speculative_batch_size, history=self.history_drafting)
+        """The engine's settings."""
+        return TLTConfig(**source_values(self, TLTConfig))
+
+    def drafter_settings(self) -> DrafterSettings:
+        return DrafterSettings(**source_values(self, DrafterSettings))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dataclasses.asdict(self)

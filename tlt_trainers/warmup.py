@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..config import TLTConfig
-from ..rollout.generator import SpeculativeGenerator
-from .eagle import EagleDrafter
-from .trainer import DrafterTrainer
+from .config import TLTConfig
+from .drafter.eagle import EagleDrafter
+from .drafter.trainer import DrafterTrainer
+from .rollout.generator import SpeculativeGenerator
 
 
 @dataclass

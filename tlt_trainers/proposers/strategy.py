@@ -31,7 +31,7 @@ class Strategy:
     depth: int = 0  # model-drafter levels (chain length for chains)
     width: int = 1  # nodes expanded per level and children per node (trees)
     num_nodes: int = 0  # model-drafted candidates verified per row (excluding the root)
-    history: int = 0  # tokens proposed from rollout history (one more branch of the tree)
+    history_tokens: int = 0  # tokens proposed from rollout history (one more branch of the tree)
 
     @property
     def name(self) -> str:
@@ -40,18 +40,38 @@ class Strategy:
         if self.kind == "chain":
             return f"chain:{self.depth}"
         if self.kind == "history":
-            return f"history:{self.history}"
+            return f"history:{self.history_tokens}"
         tree = f"tree:{self.depth}x{self.width}:{self.num_nodes}"
-        return tree + (f"+history:{self.history}" if self.history else "")
+        return tree + (f"+history:{self.history_tokens}" if self.history_tokens else "")
 
     @property
     def uses_drafter(self) -> bool:
         return self.kind in ("chain", "tree")
 
     @property
+    def proposer(self) -> str | None:
+        """The proposer that drafts for this strategy: "chain", "tree", "history", "tree+history" (None: plain)."""
+        if self.kind == "none":
+            return None
+        return "tree+history" if self.kind == "tree" and self.history_tokens else self.kind
+
+    @property
+    def scratch_slots(self) -> int:
+        """Cache slots past a row's length that one step may write: its verified nodes, or the tree drafter's
+        beams."""
+        return max(self.num_nodes + self.history_tokens, (self.depth - 1) * self.width)
+
+    def capped(self, remaining: int) -> Strategy:
+        """This strategy for a step where at most ``remaining`` more tokens may be emitted: a chain drafts no more
+        than ``remaining - 1`` (trees and history are cut at commit, their width is what they verify)."""
+        if self.kind == "chain" and self.depth >= remaining:
+            return Strategy("chain", depth=remaining - 1, num_nodes=remaining - 1)
+        return self
+
+    @property
     def tokens_per_row(self) -> int:
         """Tokens per row in the verify pass (the root included)."""
-        return self.num_nodes + self.history + 1
+        return self.num_nodes + self.history_tokens + 1
 
     @property
     def drafted_candidates(self) -> int:
@@ -60,7 +80,7 @@ class Strategy:
 
     @property
     def max_emitted(self) -> int:
-        return max(self.depth, self.history) + 1
+        return max(self.depth, self.history_tokens) + 1
 
     @property
     def history_widths(self) -> tuple[int, ...]:
@@ -68,8 +88,8 @@ class Strategy:
         step's proposals, which cost nothing, before it pays for verifying them."""
         if self.kind != "history":
             return ()
-        return tuple(sorted({1 << i for i in range(self.history.bit_length()) if 1 << i < self.history}
-                            | {self.history}))
+        return tuple(sorted({1 << i for i in range(self.history_tokens.bit_length()) if 1 << i < self.history_tokens}
+                            | {self.history_tokens}))
 
     def __str__(self) -> str:
         return self.name
@@ -98,12 +118,12 @@ def parse_strategy(name: str) -> Strategy:
                 f"Strategy {name!r}: rows without a history match fill the history branch's {k} slots with drafted "
                 f"nodes, so N + K ({tree.num_nodes + k}) must be at most the drafted nodes ({most} = W + (D-1)*W*W)."
             )
-        return Strategy("tree", tree.depth, tree.width, tree.num_nodes, history=k)
+        return Strategy("tree", tree.depth, tree.width, tree.num_nodes, history_tokens=k)
     if match := _HISTORY.match(text):
         k = int(match.group(1))
         if k < 1:
             raise ValueError(f"Strategy {name!r}: history needs at least 1 proposed token.")
-        return Strategy("history", history=k)
+        return Strategy("history", history_tokens=k)
     if match := _CHAIN.match(text):
         k = int(match.group(1))
         if k < 1:

@@ -21,10 +21,10 @@ FEW_ROWS = 48
 def cpu_head(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """``hidden @ weight.T`` computed as ``(weight @ hidden.T).T`` on one row more than one.
 
-    The same product, but MKL's path for it is 3-7x faster at the few rows a decode or verify step has (a
-    49152 x 576 head on a 2-core AMD EPYC: 1 row 9.9 -> 3.3 ms, 2 rows 22.8 -> 4.4 ms, 3 rows 33.1 -> 7.0 ms,
-    16+ rows equal); the head is a quarter of a batch-1 step there. A single row goes through as two: the
-    matrix-vector path is the slow one. Results agree with F.linear to float32 rounding (<1e-5).
+    The same product, but MKL's path for the transposed form is several times faster at the few rows a decode
+    or verify step has (equal from about 16 rows on), and a small model's LM head is a large share of its step
+    (figures in docs/adaptive_engine.md). A single row goes through as two: the matrix-vector path is the slow
+    one. Results agree with F.linear to float32 rounding (<1e-5).
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = flat.shape[0]
@@ -38,12 +38,12 @@ def _few_row_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` computed as ``(W @ x.T).T`` (as :func:`cpu_head`) when x has 2-48 rows and no gradient is
     wanted. The weight's device and dtype are checked once per forward by :class:`CpuDecodePaths`.
 
-    On a 2-core AVX2 CPU with MKL, ``F.linear`` at a few rows runs far below the memory-bound speed its
-    weights allow: SmolLM2-135M's 30 decoder layers take 46 ms at 1 row, 91 ms at 5 rows and 95 ms at 8, while
-    the transposed product takes 36, 42 and 56 ms. That made a 5-token verify cost 1.6-1.9 plain steps at
-    batch 1 and every plain step at batch 2-8 dearer than needed. Whole forwards, interleaved: 0.67-0.91x the
-    time at 8-48 rows, 0.97-1.03x from 64 rows on (so those keep ``F.linear``). A single row keeps ``F.linear``
-    (duplicating it costs more than it saves across 210 layers), and so does anything with a gradient.
+    With MKL, ``F.linear`` at a few rows runs far below the memory-bound speed its weights allow, which makes a
+    verify pass over a few tokens per row, and every plain step at small batch, dearer than it needs to be; the
+    transposed product streams the weights at full speed. From 64 rows on the two take the same time, so larger
+    inputs keep ``F.linear`` (hence ``FEW_ROWS``). A single row keeps ``F.linear`` too (duplicating it, as
+    :func:`cpu_head` does, costs more than it saves when every linear of the decoder pays it), and so does
+    anything with a gradient. Figures in docs/adaptive_engine.md.
     """
     weight = module.weight
     rows = x.numel() // x.shape[-1] if x.dim() > 1 else 1
@@ -63,9 +63,10 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     """transformers' ``sdpa`` attention with grouped K/V handed to SDPA as they are (``enable_gqa``) on CPU.
 
     transformers copies K and V to every query head (``repeat_kv``) whenever a mask is passed, and the engine
-    always passes one. At batch 64 with 300 cached tokens those copies were half of a SmolLM2-135M step on a
-    2-core CPU (2.1 of 4.3 s in a profile of 3 steps); with ``enable_gqa`` the attention itself is ~10x faster
-    there and bit-identical (same kernel, same reduction order). Elsewhere it is transformers' own function.
+    always passes one. The copies grow with batch and context, and at large batch they can cost as much as the
+    rest of the step (figures in docs/adaptive_engine.md); with ``enable_gqa`` SDPA reads the grouped heads in
+    place and the result is bit-identical (same kernel, same reduction order). Elsewhere it is transformers' own
+    function.
     """
     groups = getattr(module, "num_key_value_groups", 1)
     if query.device.type != "cpu" or groups == 1 or kwargs.get("output_attentions", False):

@@ -17,13 +17,12 @@ PPM compression): the path root -> x[p-1] -> x[p-2] -> ... leads to the node of 
 precedes position p, and the node counts the tokens that followed that context. A lookup walks at
 most ``max_match`` dict lookups from the root whatever the history's size, and an insertion walks as
 many (O(len * max_match), no rebuilds). An n-gram table keyed by the last n tokens stores every
-context length of every position (up to ``max_match - min_match + 1`` entries a token: 580-1000
-B/token measured with hashed keys); here a context that occurred once is a single leaf that points
-into the stored tokens, expanded into nodes only when a second occurrence shares it, so memory
-follows the repeated content (155-400 B/token on the same groups). Scanning the raw tokens
-(``bytes.find``) needs 4 bytes a token but time in proportion to the history (50-200 us to list a
-suffix's occurrences in 64k tokens, several times a token): too slow for a group's history, right
-for the row's own context (a few thousand tokens, nothing to keep up to date between calls).
+context length of every position (up to ``max_match - min_match + 1`` entries a token); here a context
+that occurred once is a single leaf that points into the stored tokens, expanded into nodes only when a
+second occurrence shares it, so memory follows the repeated content rather than the history's length.
+Scanning the raw tokens (``bytes.find``) needs 4 bytes a token but time in proportion to the history,
+several times a token: too slow for a group's history, right for the row's own context (a few thousand
+tokens, nothing to keep up to date between calls). Measured sizes and times: docs/adaptive_engine.md.
 
 There is no global pool across keys: a lookup is only as cheap as the sources it searches, cross-
 prompt matches are mostly generic phrasing that the model drafter already predicts, and a caller
@@ -44,7 +43,7 @@ _POS_MASK = (1 << _POS_BITS) - 1
 
 
 @dataclass
-class Proposal:
+class HistoryMatch:
     """Draft tokens proposed from history for one row: a point mass at each position."""
 
     tokens: list[int]  # proposed continuation of the context, 0..max_tokens tokens
@@ -110,12 +109,12 @@ def _as_tokens(tokens: Sequence[int], what: str) -> array:
         ) from None
 
 
-class HistoryIndex:
+class RolloutHistory:
     """Proposes draft tokens by suffix matching against earlier sequences of the same key.
 
     Args:
         max_tokens: at most this many history tokens are kept; the oldest sequences are evicted first.
-            Memory is 150-400 bytes a token (more when rollouts repeat each other), see ``nbytes``.
+            Memory per token grows with how much the rollouts repeat each other, see ``nbytes``.
         max_match: longest suffix that is matched (longer contexts are not told apart).
         min_match: shortest suffix that may propose a token.
         keep_steps: sequences are kept for this many RL steps, the current one included (see ``new_step``).
@@ -174,7 +173,7 @@ class HistoryIndex:
         """Estimated bytes held: trie nodes, their dicts and ints, and the stored token arrays.
 
         Tracked incrementally from CPython's object sizes (O(1) to read); it ignores allocator
-        overhead and the slack that dicts keep after deletions (within 2% of tracemalloc's count).
+        overhead and the slack that dicts keep after deletions.
         """
         return self._bytes + sys.getsizeof(self._groups) + sys.getsizeof(self._seqs)
 
@@ -340,7 +339,7 @@ class HistoryIndex:
 
     # ------------------------------------------------------------------ proposals
 
-    def propose(self, key: Hashable, context: Sequence[int], max_tokens: int) -> Proposal:
+    def propose(self, key: Hashable, context: Sequence[int], max_tokens: int) -> HistoryMatch:
         """Propose up to ``max_tokens`` tokens continuing ``context`` (the row's prompt + tokens so far).
 
         A key with no history leaves the row's own context as the only source. ``match_length`` is
@@ -374,11 +373,11 @@ class HistoryIndex:
             confidence = 1.0
             for c in token_conf:
                 confidence *= c
-        return Proposal(proposed, match_length, confidence, token_conf, token_support)
+        return HistoryMatch(proposed, match_length, confidence, token_conf, token_support)
 
     def propose_many(
         self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], max_tokens: int | Sequence[int]
-    ) -> list[Proposal]:
+    ) -> list[HistoryMatch]:
         """``propose`` for each row; ``max_tokens`` is one limit for all rows or one per row."""
         if len(keys) != len(contexts):
             raise ValueError(f"got {len(keys)} keys for {len(contexts)} contexts")

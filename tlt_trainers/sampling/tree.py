@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import inverse_cdf, uniform
+from .distribution import inverse_cdf, uniform
 
 
 @dataclass

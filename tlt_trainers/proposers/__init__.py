@@ -1,0 +1,1 @@
+"""What a speculative step proposes before the policy verifies: strategy names and the rollout-history index."""

@@ -1,0 +1,362 @@
+"""One generate() call, as a loop of speculative steps over the active rows.
+
+Each step is :meth:`Rollout.speculative_step`: a proposer drafts (EAGLE chain or tree, rollout history, or their
+merge), the policy scores the pending token and every draft in one pass, verification accepts a path and draws
+the token after it, the path is committed and finished rows leave the batch. Choosing the strategy, timing and
+the selector's feedback wrap the step (:meth:`Rollout.step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..modeling.kv_cache import RowState, WritePlan
+from ..modeling.rows import ActiveRows
+from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
+from ..proposers.history import HistoryProposer, MergedProposer
+from ..proposers.strategy import NONE, Strategy
+from ..sampling.distribution import SamplingParams, process_logits, sample_categorical
+from ..sampling.tree import DraftTree
+from ..sampling.verify import Proposal, Verdict, verify
+from .graphs import GraphRunner
+from .stats import GenerationStats, StepTimer
+
+
+@dataclass
+class GenerationResult:
+    sequences: torch.LongTensor  # [B, P + T]: prompts as given, completions right-padded with pad_token_id
+    stats: GenerationStats
+
+
+@dataclass
+class StepOutcome:
+    emitted: int  # tokens appended over all rows
+    drafted: int  # draft nodes verified over all rows
+    accepted: int  # drafts accepted over all rows
+    expected_emitted: float | None = None  # emitted, with the first draft's 0/1 accept replaced by its probability
+
+
+class Rollout:
+    """State and steps of one generate() call: ``begin()`` (prefill), ``step()`` until False, ``finish()``."""
+
+    def __init__(self, engine, input_ids: torch.Tensor, pad: torch.Tensor, params: SamplingParams,
+                 max_new_tokens: int, eos: torch.Tensor | None, pad_token_id: int,
+                 generator: torch.Generator | None, feature_sink: Callable | None = None,
+                 history_keys: list[Hashable] | None = None):
+        self.engine, self.target, self.config = engine, engine.target, engine.config
+        self.params, self.warpers = params, params.warpers()
+        self.max_new, self.eos, self.pad_token_id, self.generator = max_new_tokens, eos, pad_token_id, generator
+        self.input_ids, self.feature_sink = input_ids, feature_sink
+        batch, self.prompt_len = input_ids.shape
+        self.device = input_ids.device
+        strategies = engine.strategies
+        self.fixed = strategies[0] if self.config.speculation == "always" and strategies else NONE
+        self.selector = engine.selector(params.do_sample, params.temperature)
+        self.capacity = self.prompt_len + max_new_tokens + max([s.scratch_slots for s in strategies], default=0) + 1
+        self.completions = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.stats = GenerationStats(prompt_tokens=int((input_ids.shape[1] - pad).sum()))
+        self.timer = StepTimer(self.stats, self.device)
+        self.use_drafter = engine.drafter is not None and any(s.uses_drafter for s in strategies)
+        self.rows = self._new_rows(input_ids, pad, params)
+        self.graphs = None
+        graph_mode = self.config.cuda_graphs
+        if graph_mode == "static" or (graph_mode == "auto" and self.device.type == "cuda"):
+            self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity,
+                                      mode="static" if graph_mode == "static" else "cuda")
+        self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
+        # Adaptive: history:K arms are valued from each step's matches (which cost no compute).
+        self.history_arm_tokens = 0
+        if self.selector is not None and self.history is not None:
+            self.history_arm_tokens = max((s.history_tokens for s in strategies if s.kind == "history"), default=0)
+        self._begin: float | None = None  # set by begin(): the clock of stats.total_seconds
+        self._progress = None
+
+    def _new_rows(self, input_ids: torch.Tensor, pad: torch.Tensor, params: SamplingParams) -> ActiveRows:
+        batch = input_ids.shape[0]
+        seq = torch.full((batch, self.capacity), self.pad_token_id, dtype=torch.long, device=self.device)
+        seq[:, : self.prompt_len] = input_ids
+        presence = None
+        if params.uses_presence:
+            presence = torch.zeros(batch, self.target.vocab_size, dtype=torch.bool, device=self.device)
+            presence.scatter_(1, input_ids, True)
+        drafter = self.engine.drafter if self.use_drafter else None
+        return ActiveRows(
+            index=torch.arange(batch, device=self.device),
+            seq=seq,
+            state=RowState(pad.clone(), torch.zeros_like(pad)),
+            draft_state=RowState(pad.clone(), torch.zeros_like(pad)) if drafter is not None else None,
+            generated=torch.zeros(batch, dtype=torch.long, device=self.device),
+            presence=presence,
+            features=None,
+            cache=self.target.new_cache(self.capacity),
+            draft_kv=drafter.new_kv(self.capacity) if drafter is not None else None,
+        )
+
+    def _new_proposers(self, params: SamplingParams, history_keys) -> tuple[dict, DrafterRunner | None,
+                                                                             HistoryProposer | None]:
+        """The proposer of each kind this engine's strategies use, keyed by ``Strategy.proposer``."""
+        proposers: dict = {}
+        drafting = history = None
+        if self.use_drafter:
+            # The drafter's q may be any distribution we sample from; without the repetition penalty it needs no
+            # per-position history, and verification corrects the difference.
+            sampling = DraftSampling(replace(params, repetition_penalty=1.0), self.warpers, self.generator)
+            drafting = DrafterRunner(self.engine.drafter, sampling, self._now)
+            proposers["chain"] = EagleChainProposer(drafting)
+            proposers["tree"] = EagleTreeProposer(drafting)
+        if self.engine.rollout_history is not None:
+            history = HistoryProposer(self.engine.rollout_history, history_keys)
+            proposers["history"] = history
+            if "tree" in proposers:
+                proposers["tree+history"] = MergedProposer(proposers["tree"], history)
+        return proposers, drafting, history
+
+    def proposer_for(self, strategy: Strategy):
+        return self.proposers[strategy.proposer]
+
+    # ------------------------------------------------------------------ one step
+    def speculative_step(self, strategy: Strategy) -> StepOutcome:
+        """Propose, verify in one policy pass, accept, commit, retire (``strategy`` none: one plain token)."""
+        rows, batch = self.rows, self.rows.size
+        with self.timer.phase("draft"):
+            proposal = self.proposer_for(strategy).propose(rows, strategy) if strategy.proposer else None
+        with self.timer.phase("decode" if proposal is None else "verify"):
+            proposal = proposal or Proposal.nothing(batch, self.device)
+            tree, length = proposal.tree, rows.state.length
+            # The policy scores the pending token (the tree's root) and every draft node in one pass.
+            tokens = torch.cat([rows.seq.gather(1, length[:, None]), tree.tokens], dim=1)
+            slots = length[:, None] + torch.arange(tree.num_nodes + 1, device=self.device)
+            depths = torch.cat([torch.zeros_like(slots[:, :1]), tree.depths], dim=1)
+            positions = (length - rows.state.pad)[:, None] + depths
+            closure = None if proposal.is_chain and rows.presence is None else tree.ancestors()
+            hidden, logits = self._policy_pass(tokens, positions, slots,
+                                               self._mask_builder(proposal.is_chain, closure, positions, slots))
+            scores = process_logits(logits, self.params, self._presence_in_tree(tree, closure), self.warpers)
+            verdict = verify(proposal, scores, self.params.do_sample, self.generator)
+            self._keep_accepted_path(proposal.is_chain, verdict, hidden, slots)
+            emitted = self._commit(verdict.emitted(tree), verdict.num_accepted, length + 1,
+                                   advance=verdict.num_accepted + 1)
+        outcome = StepOutcome(emitted, batch * tree.num_nodes, int(verdict.num_accepted.sum()))
+        if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
+            kept_first = (verdict.num_accepted > 0).to(verdict.first_acceptance.dtype)
+            outcome.expected_emitted = emitted + float((verdict.first_acceptance - kept_first).sum())
+        return outcome
+
+    def _mask_builder(self, is_chain: bool, closure, positions, slots) -> Callable[[int], torch.Tensor]:
+        """``kv_len -> mask`` of the verify pass: causal for a chain, each node's ancestors for a tree."""
+        state = self.rows.state
+        if is_chain:
+            return lambda kv_len: self.target.attention_mask(state, slots, kv_len)
+        return lambda kv_len: self.target.tree_attention_mask(state, closure, positions, kv_len)
+
+    def _presence_in_tree(self, tree: DraftTree, closure: torch.Tensor | None) -> torch.Tensor | None:
+        """Presence masks [B, 1+N, V] after each node (repetition penalty): history plus the tokens on the path
+        to the node. None when the sampling settings do not need them."""
+        if self.rows.presence is None:
+            return None
+        presence = self.rows.presence[:, None].repeat(1, tree.num_nodes + 1, 1)
+        b, i, j = closure[:, :, 1:].nonzero(as_tuple=True)
+        presence[b, i, tree.tokens[b, j]] = True
+        return presence
+
+    def _keep_accepted_path(self, is_chain: bool, verdict: Verdict, hidden: torch.Tensor, slots: torch.Tensor) -> None:
+        """The accepted path (root first) takes consecutive slots: its keys, values and features.
+
+        A chain's path already does; a tree's accepted nodes move down from wherever they were verified.
+        """
+        if is_chain:
+            self._store_features(hidden, slots)
+            return
+        length = self.rows.state.length
+        steps = torch.arange(verdict.path.shape[1], device=self.device)
+        on_path = steps[None] < verdict.num_accepted[:, None]
+        dest = length[:, None] + 1 + steps
+        self.rows.cache.move(torch.where(on_path, length[:, None] + verdict.path, dest), dest)
+        path_nodes = torch.cat([torch.zeros_like(verdict.path[:, :1]), torch.where(on_path, verdict.path, 0)], 1)
+        self._store_features(hidden.gather(1, path_nodes[..., None].expand(-1, -1, hidden.shape[-1])),
+                             torch.cat([length[:, None], dest], dim=1))
+
+    # ------------------------------------------------------------------ policy passes
+    def _now(self) -> float:
+        return self.timer.now()
+
+    def _policy_pass(self, tokens, positions, slots, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and float32 logits of a decode/verify pass; ``mask_for(kv_len)`` builds its mask(s).
+
+        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner.
+        """
+        runner = self.graphs
+        if runner is not None and runner.supports(tokens.shape[0]):
+            mask = mask_for(self.capacity)
+            masks = {"full": mask} if isinstance(mask, torch.Tensor) else {
+                "full": mask["full_attention"], "sliding": mask["sliding_attention"]}
+            return runner(tokens, positions, slots, masks)
+        hidden = self._target_pass(tokens, positions, slots, mask_for)
+        return hidden, self.target.logits(hidden)
+
+    def _target_pass(self, tokens, positions, slots, mask_for) -> torch.Tensor:
+        kv_len = int(slots.max()) + 1
+        self.rows.cache.plan = WritePlan(slots, kv_len)
+        return self.target.forward(tokens, positions, mask_for(kv_len), self.rows.cache)
+
+    def _store_features(self, hidden: torch.Tensor, slots: torch.Tensor) -> None:
+        if not (self.use_drafter or self.feature_sink is not None):
+            return
+        rows = self.rows
+        if rows.features is None:
+            rows.features = hidden.new_zeros(hidden.shape[0], self.capacity, hidden.shape[-1])
+        rows.features.scatter_(1, slots[..., None].expand(-1, -1, hidden.shape[-1]), hidden)
+        rows.features_used = max(rows.features_used, int(slots.max()) + 1)
+
+    def _record_memory(self) -> None:
+        rows = self.rows
+        total = rows.cache.nbytes()
+        if rows.draft_kv is not None:
+            total += rows.draft_kv.nbytes()
+        if rows.features is not None:
+            total += rows.features.numel() * rows.features.element_size()
+        self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, total)
+
+    def _prefill(self) -> None:
+        rows = self.rows
+        with self.timer.phase("prefill"):
+            slots = torch.arange(self.prompt_len, device=self.device).expand(rows.size, -1)
+            positions = (slots - rows.state.pad[:, None]).clamp(min=0)
+            hidden = self._target_pass(self.input_ids, positions, slots,
+                                       lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
+            rows.state.length = torch.full_like(rows.state.length, self.prompt_len)
+            self._store_features(hidden, slots)
+            scores = process_logits(self.target.logits(hidden[:, -1]), self.params, rows.presence, self.warpers)
+            if self.params.do_sample:
+                first = sample_categorical(torch.softmax(scores, dim=-1), self.generator)
+            else:
+                first = scores.argmax(dim=-1)
+            self._commit(first[:, None], torch.zeros_like(first), rows.state.length, advance=torch.zeros_like(first))
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, emitted: torch.Tensor, num_accepted: torch.Tensor, first_slot: torch.Tensor,
+                advance: torch.Tensor) -> int:
+        """Write ``num_accepted + 1`` tokens of ``emitted`` [B, w] per row from ``first_slot``, cut at EOS and
+        ``max_new_tokens``; the policy's cache keeps ``advance`` more slots. Returns tokens appended.
+        """
+        rows = self.rows
+        width = emitted.shape[1]
+        offsets = torch.arange(width, device=self.device)
+        count = num_accepted + 1
+        if self.eos is not None:
+            is_eos = torch.isin(emitted, self.eos) & (offsets[None] < count[:, None])
+            has_eos = is_eos.any(dim=1)
+            count = torch.where(has_eos, is_eos.to(torch.int64).argmax(dim=1) + 1, count)
+        else:
+            has_eos = torch.zeros_like(count, dtype=torch.bool)
+        remaining = self.max_new - rows.generated
+        count = torch.minimum(count, remaining)
+        hit_eos = has_eos
+        if self.eos is not None:  # the row ends on EOS only if the cut by max_new_tokens kept it
+            hit_eos = torch.isin(emitted.gather(1, (count - 1)[:, None]).squeeze(1), self.eos)
+        keep_token = offsets[None] < count[:, None]
+        dest = first_slot[:, None] + offsets[None]
+        old = rows.seq.gather(1, dest)
+        rows.seq.scatter_(1, dest, torch.where(keep_token, emitted, old))
+        if rows.presence is not None:
+            marks = torch.where(keep_token, emitted, emitted[:, :1])
+            rows.presence.scatter_(1, marks, True)
+        rows.generated += count
+        rows.state.length = rows.state.length + advance
+        finished = hit_eos | (rows.generated >= self.max_new)
+        total = int(count.sum())
+        self.stats.generated_tokens += total
+        if finished.any():
+            self._retire(finished)
+        return total
+
+    def _retire(self, finished: torch.Tensor) -> None:
+        """Finished rows hand their completion to the result, the history and the feature sink, then leave."""
+        rows = self.rows
+        for i in finished.nonzero().squeeze(1).tolist():
+            n, start, pad, row = int(rows.generated[i]), self.prompt_len, int(rows.state.pad[i]), int(rows.index[i])
+            self.completions[row, :n] = rows.seq[i, start : start + n]
+            self.lengths[row] = n
+            if self.history is not None:
+                self.history.remember(row, rows.seq[i, pad : start + n].tolist())
+            if self.feature_sink is not None:
+                # Features exist for every real token but the last (never fed back to the policy).
+                # Copies: compaction later moves other rows into this row's buffers.
+                self.feature_sink(rows.seq[i, pad : start + n].clone(), rows.features[i, pad : start + n - 1].clone())
+        rows.compact(finished)
+
+    # ------------------------------------------------------------------ main loop
+    def _choose(self) -> Strategy:
+        batch = self.rows.size
+        if not self.engine.strategies:
+            return NONE
+        remaining = int((self.max_new - self.rows.generated).max())
+        if remaining <= 1:
+            return NONE  # the next token is the last one: nothing to draft for
+        cap = self.config.max_speculative_batch_size
+        if self.config.speculation == "adaptive" and cap is not None and batch > cap:
+            return NONE
+        if self.selector is None:
+            return self.fixed.capped(remaining)
+        tokens = self.history_arm_tokens
+        expected = (lambda: self.history.expected_accepted(self.rows, tokens)) if tokens else None
+        return self.selector.choose(batch, expected).capped(remaining)
+
+    @torch.no_grad()
+    def begin(self) -> None:
+        """Prefill; the clock of ``stats.total_seconds`` starts here."""
+        self._begin = self._now()
+        if self.config.show_progress:
+            from tqdm.auto import tqdm
+
+            self._progress = tqdm(total=int(self.completions.numel()), desc="generate", unit="tok")
+        self._prefill()
+        self._record_memory()
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One decode step of the active rows (after :meth:`begin`); False once every row has finished."""
+        if self._begin is None:
+            raise RuntimeError("Call rollout.begin() (the prefill) before rollout.step().")
+        batch = self.rows.size
+        if batch == 0:
+            return False
+        if self.history is not None:
+            self.history.new_step()
+        if self.drafting is not None:
+            self.drafting.catch_up_seconds = 0.0
+        strategy = self._choose()
+        start = self._now()
+        outcome = self.speculative_step(strategy)
+        seconds = self._now() - start
+        self.stats.record_step(batch, outcome.emitted, outcome.drafted, outcome.accepted, seconds, strategy.name)
+        if self.selector is not None:
+            catch_up = self.drafting.catch_up_seconds if self.drafting is not None else 0.0
+            self.selector.observe(strategy, batch, outcome.emitted, seconds, outcome.accepted,
+                                  catch_up_seconds=catch_up, expected_emitted=outcome.expected_emitted)
+        self._record_memory()
+        if self._progress is not None:
+            self._progress.update(outcome.emitted)
+        return self.rows.size > 0
+
+    def finish(self) -> GenerationResult:
+        if self._progress is not None:
+            self._progress.close()
+        self.stats.total_seconds = self._now() - self._begin
+        if self.history is not None:
+            self.stats.history_proposed = self.history.proposed_tokens
+            self.stats.history_bytes = self.history.nbytes()
+        width = int(self.lengths.max())
+        sequences = torch.cat([self.input_ids, self.completions[:, :width]], dim=1)
+        return GenerationResult(sequences=sequences, stats=self.stats)
+
+    @torch.no_grad()
+    def run(self) -> GenerationResult:
+        self.begin()
+        while self.step():
+            pass
+        return self.finish()
