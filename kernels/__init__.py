@@ -6,8 +6,24 @@ import it at module level, so ``import tlt_trainers.kernels`` works without it.
 
 - :func:`verify_chain_reference` (``verify_reference.py``): chain rejection sampling with explicit
   uniforms, the reference for a fused verify kernel; equal to ``tlt_trainers.sampling.verify_sampled``.
+
+Names are imported on first use, not here: run from the repository root (``python -m pytest``, ``python -c``),
+this folder is also the top-level package ``kernels``, the name of Hugging Face's kernels library, which
+transformers 5.16+ imports while it is itself importing (``is_kernels_available``). An eager import of
+tlt_trainers here would then import transformers.modeling_utils inside that import: a circular ImportError.
 """
 
-from .verify_reference import verify_chain_reference
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"verify_chain_reference": ".verify_reference"}
 
 __all__: list[str] = ["verify_chain_reference"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)

@@ -28,6 +28,7 @@ __all__ = [
     "load_model",
     "load_smollm2",
     "smollm2_gguf_dir",
+    "smollm2_hf_dir",
 ]
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -175,6 +176,19 @@ def load_smollm2(
         model = model.to(dtype)
     model.eval()
     return model, tokenizer
+
+
+def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The plain Hugging Face folder of SmolLM2-135M-Instruct (config.json, float32 model.safetensors, tokenizer):
+    the cached copy :func:`load_smollm2` writes, converted from the GGUF first if needed. Engines that load a
+    model folder themselves (vLLM) read this one."""
+    path = Path(cache_dir) if cache_dir is not None else cache_root() / _SMOLLM2_CACHE_NAME
+    stamp = _stamp_for(smollm2_gguf_dir() / SMOLLM2_GGUF_FILE)
+    if not _cache_is_valid(path, stamp):
+        load_smollm2(cache_dir=path)
+        if not _cache_is_valid(path, stamp):
+            raise OSError(f"Could not write the converted SmolLM2 under {path}: set TLT_CACHE_DIR to a writable dir.")
+    return path
 
 
 def load_model(

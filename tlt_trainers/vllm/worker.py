@@ -1,0 +1,197 @@
+"""Inside vLLM's worker: replace the EAGLE drafter's weights in a running engine.
+
+Start the engine with ``LLM(..., worker_extension_cls="tlt_trainers.vllm.worker.DrafterReloadExtension")``; vLLM then
+adds this class to its worker's bases, and ``llm.collective_rpc("tlt_reload_drafter", args=(weights,))`` runs
+:func:`reload_drafter_weights` in every worker. Method names carry a ``tlt_`` prefix because vLLM refuses an
+extension whose attributes collide with the worker's own (it has ``reload_weights``).
+
+Why vLLM's layer-by-layer reload, not ``draft_model.load_weights`` alone: after loading, vLLM post-processes some
+layers' weights into kernel formats (the CPU backend repacks linear weights and leaves ``layer.weight`` empty), so a
+second plain ``load_weights`` finds parameters of size 0. ``initialize_layerwise_reload`` puts the layers back in
+checkpoint form (on the meta device), ``load_weights`` fills them and re-runs each layer's processing once all its
+tensors arrived, writing the result into the storage the engine already uses; ``finalize_layerwise_reload`` restores
+the layers that received nothing (the target's embedding and LM head, which the drafter shares). This is what
+vLLM's own ``reload_weights`` does for the target model, applied to the draft model with its own model config.
+
+This module imports vLLM only inside functions, so it imports (and its names can be documented) without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..drafter.config import WEIGHTS_NAME
+from ..drafter.export import eagle_state_dict_to_vllm
+from ._install import require_vllm
+
+_VLLM_PREFIXES = ("fc.", "layers.0.")
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def expected_drafter_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """The checkpoint names and shapes of an EAGLE-1 Llama drafter with this (draft) config, as
+    ``EagleLlamaForCausalLM.load_weights`` reads them: every one must come in a reload, with this shape."""
+    h, heads = int(hf_config.hidden_size), int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
+    inter = int(hf_config.intermediate_size)
+    layer = "layers.0."
+    return {
+        "fc.weight": (h, 2 * h),
+        layer + "self_attn.q_proj.weight": (heads * head_dim, h),
+        layer + "self_attn.k_proj.weight": (kv * head_dim, h),
+        layer + "self_attn.v_proj.weight": (kv * head_dim, h),
+        layer + "self_attn.o_proj.weight": (h, heads * head_dim),
+        layer + "post_attention_layernorm.weight": (h,),
+        layer + "mlp.gate_proj.weight": (inter, h),
+        layer + "mlp.up_proj.weight": (inter, h),
+        layer + "mlp.down_proj.weight": (h, inter),
+    }
+
+
+def to_vllm_names(weights: dict[str, torch.Tensor], *, embed_scale: float | None = None,
+                  full_vocab_head: bool = False) -> dict[str, torch.Tensor]:
+    """Weights under vLLM's checkpoint names: given as such (``fc.*``, ``layers.0.*``) they pass unchanged, an
+    EagleDrafter state dict (``fc.*``, ``self_attn.*``, ``mlp.*``, ...) goes through the export mapping
+    (:func:`~tlt_trainers.drafter.export.eagle_state_dict_to_vllm`; ``embed_scale`` for a scaled policy embedding)."""
+    if all(name.startswith(_VLLM_PREFIXES) for name in weights):
+        return dict(weights)
+    return eagle_state_dict_to_vllm(weights, embed_scale=embed_scale, full_vocab_head=full_vocab_head)
+
+
+class _DropSharedLayerWarnings(logging.Filter):
+    """A drafter reload sends only the drafter's own tensors. The draft model also holds modules whose tensors no
+    checkpoint carries: the target's embedding and LM head (shared) and the rotary embedding's cos/sin cache
+    (shared with the target's layers). vLLM's finalize step puts those back as they were and warns
+    "<class>: Failed to load weights" for each; expected here, so dropped for those classes only (the drafter's own
+    layers are checked beforehand to receive every tensor)."""
+
+    SHARED = ("VocabParallelEmbedding", "ParallelLMHead")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Failed to load weights" not in message:
+            return True
+        owner = message.split(":", 1)[0].strip()
+        return not (owner in self.SHARED or owner.endswith("RotaryEmbedding"))
+
+
+def _draft_model_and_config(worker):
+    spec = getattr(worker.vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "draft_model_config", None) is None:
+        raise RuntimeError(
+            "This vLLM engine runs no drafter: start it with speculative_config=tlt_trainers.vllm.speculative_config("
+            "export_dir, k) (VLLMDrafterSync.engine_kwargs() gives it)."
+        )
+    if spec.method != "eagle":
+        raise RuntimeError(
+            f"This engine speculates with method={spec.method!r}; DrafterReloadExtension reloads the EAGLE-1 drafter "
+            "that tlt_trainers exports (method='eagle')."
+        )
+    get_draft_model = getattr(worker.model_runner, "get_draft_model", None)
+    model = get_draft_model() if callable(get_draft_model) else None
+    if model is None:
+        raise RuntimeError(f"{type(worker.model_runner).__name__} exposes no draft model (get_draft_model) in this "
+                           "vLLM: drafter reload is not supported by this version.")
+    return model, spec
+
+
+def drafter_info(worker) -> dict:
+    """What the engine's drafter is: method, folder, shapes and dtype (for the trainer-side checks)."""
+    model, spec = _draft_model_and_config(worker)
+    hf = spec.draft_model_config.hf_config
+    target = worker.vllm_config.model_config
+    return {
+        "method": spec.method,
+        "model": spec.model,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "draft_class": type(model).__name__,
+        "hidden_size": int(hf.hidden_size),
+        "vocab_size": int(hf.vocab_size),
+        "num_hidden_layers": int(hf.num_hidden_layers),
+        "dtype": str(spec.draft_model_config.dtype).removeprefix("torch."),
+        "target_hidden_size": int(target.hf_text_config.hidden_size),
+        "target_vocab_size": int(target.get_vocab_size()),
+        "pid": os.getpid(),
+    }
+
+
+def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | None = None,
+                           path: str | os.PathLike | None = None, *, embed_scale: float | None = None,
+                           full_vocab_head: bool = False) -> dict:
+    """Load new drafter weights into ``worker``'s running draft model; return ``{"seconds", "tensors"}``.
+
+    ``weights``: vLLM checkpoint names (what :func:`~tlt_trainers.drafter.export.vllm_weights` returns) or an
+    EagleDrafter state dict (converted by the export mapping), either as tensors or as one safetensors blob
+    (``safetensors.torch.save``: what crosses vLLM's RPC to worker processes, whose msgpack turns tensors in untyped
+    arguments into lists). ``path``: an export folder (or its model.safetensors) instead. Every tensor of the
+    drafter must come, with its shape: a partial reload would leave layers half old.
+    """
+    start = time.perf_counter()
+    require_vllm()
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    if (weights is None) == (path is None):
+        raise ValueError("Pass exactly one of weights (a state dict) and path (an export folder).")
+    if path is not None:
+        from safetensors.torch import load_file
+
+        file = Path(path)
+        file = file / WEIGHTS_NAME if file.is_dir() else file
+        weights = load_file(str(file))
+    elif isinstance(weights, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        weights = load(bytes(weights))
+    bad = sorted(name for name, value in weights.items() if not isinstance(value, torch.Tensor))
+    if bad:
+        raise TypeError(f"Drafter weights must be tensors; {bad[:3]} are not (across processes, send a safetensors "
+                        "blob: VLLMDrafterSync.push does).")
+    weights = to_vllm_names(weights, embed_scale=embed_scale, full_vocab_head=full_vocab_head)
+
+    model, spec = _draft_model_and_config(worker)
+    expected = expected_drafter_shapes(spec.draft_model_config.hf_config)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = sorted(f"{name} {tuple(weights[name].shape)} (engine: {expected[name]})"
+                   for name in set(expected) & set(weights) if tuple(weights[name].shape) != expected[name])
+    if missing or extra or wrong:
+        raise ValueError(
+            f"These weights do not fit the engine's drafter ({spec.model}): missing {missing}, unexpected {extra}, "
+            f"wrong shapes {wrong}. Push a drafter of the same shape as the one the engine started with (same "
+            "policy, same EagleDrafterConfig), or restart the engine with the new export."
+        )
+    dtype = spec.draft_model_config.dtype
+    tensors = [(name, tensor.detach().to(dtype=dtype).contiguous()) for name, tensor in weights.items()]
+
+    layerwise_logger = logging.getLogger(_LAYERWISE_LOGGER)
+    quiet = _DropSharedLayerWarnings()
+    layerwise_logger.addFilter(quiet)
+    try:
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            try:
+                model.load_weights(iter(tensors))
+            finally:
+                finalize_layerwise_reload(model, spec.draft_model_config)
+    finally:
+        layerwise_logger.removeFilter(quiet)
+    return {"seconds": time.perf_counter() - start, "tensors": len(tensors)}
+
+
+class DrafterReloadExtension:
+    """vLLM worker extension (``worker_extension_cls``): ``tlt_drafter_info`` and ``tlt_reload_drafter``, reached
+    through ``llm.collective_rpc(name, args=...)``. :class:`~tlt_trainers.vllm.sync.VLLMDrafterSync` calls them."""
+
+    def tlt_drafter_info(self) -> dict:
+        return drafter_info(self)
+
+    def tlt_reload_drafter(self, weights: dict[str, torch.Tensor] | bytes | None = None, path: str | None = None,
+                           embed_scale: float | None = None, full_vocab_head: bool = False) -> dict:
+        return reload_drafter_weights(self, weights, path, embed_scale=embed_scale, full_vocab_head=full_vocab_head)
