@@ -278,3 +278,15 @@ def test_bad_inputs_are_refused_with_the_fix(engine):
     bad = {**sync.speculative_config(), "num_speculative_tokens": 0}
     with pytest.raises(ValueError, match="rejected the speculative config"):
         sync.create_llm(engine.path, speculative_config=bad, **ENGINE)
+
+
+def test_batch_size_cut_off_becomes_vllms_schedule():
+    """TLT's max_speculative_batch_size reaches vLLM as num_speculative_tokens_per_batch_size: k drafts up to the
+    cut-off, none above (checked against a real engine: no drafts at batch 8 with a cut-off of 2)."""
+    from tlt_trainers.vllm import batch_size_schedule
+
+    assert batch_size_schedule(3, None) is None
+    assert batch_size_schedule(3, 2, max_batch_size=64) == [(1, 2, 3), (3, 64, 0)]
+    assert batch_size_schedule(4, 64, max_batch_size=64) == [(1, 64, 4)]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        batch_size_schedule(3, 0)

@@ -331,7 +331,7 @@ class TLTGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ vLLM (colocate)
     def _tlt_start_vllm(self) -> None:
         """Start TRL's colocated engine with the drafter as its EAGLE speculator (plain vLLM without a drafter)."""
-        from ..vllm import VLLMDrafterSync, spec_decode_counters
+        from ..vllm import VLLMDrafterSync, batch_size_schedule, spec_decode_counters
 
         if self.drafter is None:
             self.vllm_generation.start(None)
@@ -345,7 +345,10 @@ class TLTGRPOTrainer(GRPOTrainer):
         sync = VLLMDrafterSync(self.drafter, policy, directory=directory,
                                num_speculative_tokens=self._tlt_config.chain_length,
                                full_vocab_head=self.drafter.config.uses_draft_vocab)
-        self.vllm_generation.start(sync)
+        # TLT's batch-size cut-off, where it is set, becomes vLLM's schedule (no drafts above the cut-off).
+        schedule = batch_size_schedule(self._tlt_config.chain_length, self._tlt_config.max_speculative_batch_size)
+        extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
+        self.vllm_generation.start(sync, **extra)
         self._tlt_vllm_sync = sync
         self._tlt_vllm_seen = spec_decode_counters(self.vllm_generation.llm)
         self._tlt_vllm_pushes = 0

@@ -70,10 +70,12 @@ def generation_class():
                 return
             super()._init_vllm()
 
-        def start(self, sync: VLLMDrafterSync | None, llm_overrides: dict[str, Any] | None = None) -> None:
-            """Build TRL's engine with the drafter's speculative configuration and attach ``sync`` to it (None: no
-            drafter, plain vLLM)."""
-            overrides = (sync.engine_kwargs() if sync is not None else {}) | dict(llm_overrides or {})
+        def start(self, sync: VLLMDrafterSync | None, llm_overrides: dict[str, Any] | None = None,
+                  **speculative_extra: Any) -> None:
+            """Build TRL's engine with the drafter's speculative configuration (plus ``speculative_extra`` fields) and
+            attach ``sync`` to it (None: no drafter, plain vLLM)."""
+            overrides = sync.engine_kwargs(**speculative_extra) if sync is not None else {}
+            overrides |= dict(llm_overrides or {})
             if _on_cpu(self.accelerator):
                 cpu_engine_environment()
                 overrides |= {"distributed_executor_backend": "uni", "gpu_memory_utilization": _DROP,

@@ -11,7 +11,7 @@ then ``pip uninstall -y torchvision torchaudio torchcodec``).
 """
 
 from ._install import VLLM_INSTALL_HINT, require_vllm
-from .config import EXTENSION, check_drafter_matches, speculative_config
+from .config import EXTENSION, batch_size_schedule, check_drafter_matches, speculative_config
 from .metrics import SpecDecodeCounters, spec_decode_counters
 from .sync import PushTiming, VLLMDrafterSync
 
@@ -21,6 +21,7 @@ __all__ = [
     "SpecDecodeCounters",
     "VLLMDrafterSync",
     "VLLM_INSTALL_HINT",
+    "batch_size_schedule",
     "check_drafter_matches",
     "require_vllm",
     "spec_decode_counters",

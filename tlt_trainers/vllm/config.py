@@ -117,3 +117,20 @@ def speculative_config(
             raise TypeError(f"speculative_config() sets {key!r} itself.")
     return {"method": "eagle", "model": str(Path(drafter_dir)), "num_speculative_tokens": int(num_speculative_tokens),
             **extra}
+
+
+def batch_size_schedule(num_speculative_tokens: int, max_speculative_batch_size: int | None,
+                        max_batch_size: int = 1 << 16) -> list[tuple[int, int, int]] | None:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` for TLT's ``max_speculative_batch_size``: k drafts per step
+    while at most that many requests run, none above (None: no cut-off, vLLM speculates at every batch size).
+
+    Pass it as ``speculative_config(..., num_speculative_tokens_per_batch_size=schedule)`` (vLLM 0.31 and later).
+    """
+    if max_speculative_batch_size is None:
+        return None
+    cap, k = int(max_speculative_batch_size), int(num_speculative_tokens)
+    if cap < 1 or k < 1:
+        raise ValueError(f"max_speculative_batch_size={cap} and num_speculative_tokens={k} must be >= 1.")
+    if cap >= max_batch_size:
+        return [(1, max_batch_size, k)]
+    return [(1, cap, k), (cap + 1, max_batch_size, 0)]
