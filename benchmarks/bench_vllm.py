@@ -28,9 +28,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import torch  # noqa: E402
 
@@ -66,6 +63,9 @@ def warmed_drafter(model, path: str | None):
 
 def main() -> None:
     args = parse_args()
+    from tlt_trainers.vllm import in_process_cpu_environment
+
+    in_process_cpu_environment()
     import vllm
     from vllm import LLM, SamplingParams
 

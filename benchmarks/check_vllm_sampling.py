@@ -26,9 +26,6 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import torch  # noqa: E402
 
@@ -103,6 +100,9 @@ def main() -> None:
     p.add_argument("--name", default="check_vllm_sampling", help="results file name")
     args = p.parse_args()
 
+    from tlt_trainers.vllm import in_process_cpu_environment
+
+    in_process_cpu_environment()
     import vllm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -22,10 +22,6 @@ from .costs import CostProfile, profile_costs
 from .rollout import GenerationResult, Rollout
 from .selector import StrategySelector
 
-# The most slots one speculative step commits (a depth-8 path or an 8-token history chain, plus the bonus token):
-# a drafter further behind has sat out plain steps, and its catch-up is the one-off cost of switching.
-_STEADY_CATCH_UP = 12
-
 SUPPORTED_SETTINGS = (
     "attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, "
     "eos_token_id, pad_token_id, generator"
@@ -82,7 +78,7 @@ class SpeculativeGenerator:
         self.rollout_history: RolloutHistory | None = None
         if any(s.history_tokens for s in self.strategies):
             self.rollout_history = RolloutHistory(max_tokens=self.config.history_max_tokens,
-                                        keep_steps=self.config.history_keep_steps)
+                                                  keep_steps=self.config.history_keep_steps)
         self.cost_profile = CostProfile()
         self._selectors: dict[tuple, StrategySelector] = {}
 

@@ -18,7 +18,7 @@ from ..modeling.rows import ActiveRows
 from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
 from ..proposers.history import HistoryProposer, MergedProposer
 from ..proposers.strategy import NONE, Strategy
-from ..sampling.distribution import SamplingParams, process_logits, sample_categorical
+from ..sampling.distribution import SamplingParams, process_logits
 from ..sampling.tree import DraftTree
 from ..sampling.verify import Proposal, Verdict, verify
 from .graphs import GraphRunner
@@ -231,10 +231,8 @@ class Rollout:
             rows.state.length = torch.full_like(rows.state.length, self.prompt_len)
             self._store_features(hidden, slots)
             scores = process_logits(self.target.logits(hidden[:, -1]), self.params, rows.presence, self.warpers)
-            if self.params.do_sample:
-                first = sample_categorical(torch.softmax(scores, dim=-1), self.generator)
-            else:
-                first = scores.argmax(dim=-1)
+            first = verify(Proposal.nothing(rows.size, self.device), scores[:, None], self.params.do_sample,
+                           self.generator).next_token
             self._commit(first[:, None], torch.zeros_like(first), rows.state.length, advance=torch.zeros_like(first))
 
     # ------------------------------------------------------------------ commit

