@@ -5,6 +5,10 @@
     python benchmarks/bench_vllm.py --batch-sizes 1,4 --reps 1 --max-tokens 16     # smoke
     python benchmarks/bench_vllm.py --temperature 1.0       # on a GPU (vLLM's CPU backend does not sample
                                                             # exactly when it speculates: check_vllm_sampling.py)
+    python benchmarks/bench_vllm.py --workload long-tail    # one GRPO-like rollout: 32 step-by-step answers
+                                                            # that end where they end (up to 512 tokens)
+    python benchmarks/bench_vllm.py --workload long-tail --max-speculative-batch-size 4   # drafts only while
+                                                            # at most 4 requests run (TLT's cut-off in vLLM)
 
 Two engines live in this process at once (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, fp32): ``plain`` (no
 speculation, the baseline) and one serving a drafter through ``tlt_trainers.vllm.VLLMDrafterSync`` with ``--k``
@@ -14,8 +18,11 @@ exported with its full head, since vLLM's EAGLE-1 has no draft vocabulary) or ``
 registry, and a second speculating engine's counts do not reach it. For every rep and batch size the engines run
 the same prompts (reasoning-gym arithmetic questions, chat-formatted) one after the other, the order rotating;
 the table reports tokens per second over plain's in the same rep (>1: faster), the median over reps, and vLLM's
-acceptance length (1 + accepted / drafts). Greedy outputs are checked against plain's. Writes
-benchmarks/results/bench_vllm_<kind>.json.
+acceptance length (1 + accepted / drafts). Greedy outputs are checked against plain's. ``--workload long-tail``
+replaces the fixed batches with one rollout whose answers stop at their own end of sequence, so the running batch
+shrinks to the few long answers (the tail TLT targets); ``--max-speculative-batch-size`` gives the drafter engine
+TLT's batch-size cut-off (:func:`tlt_trainers.vllm.batch_size_schedule`). Writes
+benchmarks/results/bench_vllm_<kind>[_long_tail][_cutN].json.
 """
 
 from __future__ import annotations
@@ -47,7 +54,11 @@ def parse_args():
     p.add_argument("--drafter-kind", default="warmed", choices=("warmed", "fresh"))
     p.add_argument("--drafter", default=None, help="a saved EagleDrafter for 'warmed' (default: the cached warm-up)")
     p.add_argument("--dataset", default="basic_arithmetic")
-    p.add_argument("--name", default=None, help="results file name (default bench_vllm_<drafter kind>)")
+    p.add_argument("--workload", default="batches", choices=("batches", "long-tail"))
+    p.add_argument("--rows", type=int, default=32, help="long-tail: answers in the rollout")
+    p.add_argument("--max-speculative-batch-size", type=int, default=None,
+                   help="draft only while at most this many requests run (default: always)")
+    p.add_argument("--name", default=None, help="results file name (default from the settings)")
     return p.parse_args()
 
 
@@ -71,12 +82,20 @@ def main() -> None:
 
     from tlt_trainers import EagleDrafter
     from tlt_trainers.pretrained import load_smollm2, smollm2_hf_dir
-    from tlt_trainers.vllm import VLLMDrafterSync, spec_decode_counters
+    from tlt_trainers.vllm import VLLMDrafterSync, batch_size_schedule, spec_decode_counters
 
     model, tok = load_smollm2()
     path = str(smollm2_hf_dir())
-    sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    prompts = math_prompts(tok, max(sizes), seed=11, dataset=args.dataset, instruction=" Give only the final answer.")
+    long_tail = args.workload == "long-tail"
+    if long_tail:  # answers that end where they end: most within ~200 tokens, a few run to the cap
+        if args.max_tokens == 64:
+            args.max_tokens = 512
+        prompts = math_prompts(tok, args.rows, seed=11, dataset=args.dataset, instruction=" Think step by step.")
+        sizes = [args.rows]
+    else:
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+        prompts = math_prompts(tok, max(sizes), seed=11, dataset=args.dataset,
+                               instruction=" Give only the final answer.")
     engine_args = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
                        distributed_executor_backend="uni", max_num_seqs=max(sizes))
     torch.manual_seed(0)
@@ -88,13 +107,15 @@ def main() -> None:
             raise SystemExit("No warmed drafter cached: run benchmarks/bench_rollout.py once (it warms and caches "
                              "one), pass --drafter PATH, or use --drafter-kind fresh.")
         drafters = {"warmed": (warmed, source)}
+    schedule = batch_size_schedule(args.k, args.max_speculative_batch_size, max_batch_size=max(sizes))
+    extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
     engines, syncs = {"plain": LLM(path, **engine_args)}, []
     for name, (drafter, _) in drafters.items():
         sync = VLLMDrafterSync(drafter, model, num_speculative_tokens=args.k,
                                full_vocab_head=drafter.config.uses_draft_vocab)
-        engines[name] = sync.create_llm(path, **engine_args)
+        engines[name] = sync.create_llm(path, **engine_args, **extra)
         syncs.append(sync)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=not long_tail)
 
     raw = []
     names = list(engines)
@@ -112,7 +133,9 @@ def main() -> None:
                 outputs[name] = [list(o.outputs[0].token_ids) for o in result]
                 counts = (spec_decode_counters(llm) - before) if before is not None else None
                 raw.append({"rep": rep, "batch_size": size, "engine": name, "seconds": seconds, "tokens": tokens,
-                            "acceptance_length": counts.acceptance_length if counts else 1.0})
+                            "acceptance_length": counts.acceptance_length if counts else 1.0,
+                            "drafts": counts.num_drafts if counts else 0,
+                            "lengths": sorted(len(ids) for ids in outputs[name])})
             for record in raw[-len(names):]:
                 record["same_as_plain"] = outputs[record["engine"]] == outputs["plain"]
 
@@ -131,14 +154,24 @@ def main() -> None:
             rows.append([size, name, f"{plain_tps:.1f}", f"{statistics.median(ratios):.3f}",
                          f"{min(ratios):.3f}-{max(ratios):.3f}", f"{statistics.median(accept):.2f}",
                          ("yes" if same else "no") if args.temperature == 0 else "-"])
-    print(f"vLLM {vllm.__version__}, SmolLM2-135M-Instruct fp32, k={args.k}, {args.max_tokens} new tokens per row, "
+    cut = (f", drafting only at <= {args.max_speculative_batch_size} running requests"
+           if args.max_speculative_batch_size else "")
+    if long_tail:
+        lengths = raw[0]["lengths"]
+        shape = (f"one rollout of {args.rows} answers ending at their EOS (up to {args.max_tokens} tokens; median "
+                 f"{statistics.median(lengths):.0f}, longest {lengths[-1]})")
+    else:
+        shape = f"{args.max_tokens} new tokens per row"
+    print(f"vLLM {vllm.__version__}, SmolLM2-135M-Instruct fp32, k={args.k}{cut}, {shape}, "
           f"temperature {args.temperature}, {args.reps} reps; tokens/s vs plain in the same rep:")
     table = print_table(["batch", "engine", "plain tok/s", "vs plain (median)", "range", "acceptance length",
                          "greedy identical"], rows)
     for sync in syncs:
         sync.close()
     command = "python benchmarks/bench_vllm.py " + " ".join(sys.argv[1:])
-    write_results(args.name or f"bench_vllm_{args.drafter_kind}", {"command": command,
+    name = args.name or "_".join(["bench_vllm", args.drafter_kind] + (["long_tail"] if long_tail else [])
+                                 + ([f"cut{args.max_speculative_batch_size}"] if schedule is not None else []))
+    write_results(name, {"command": command,
                               "vllm": vllm.__version__, "settings": vars(args),
                               "drafters": {name: source for name, (_, source) in drafters.items()},
                               "raw": raw, "table": table})
