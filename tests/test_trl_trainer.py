@@ -235,7 +235,7 @@ def test_two_ranks_train_the_drafter_in_idle_time_and_agree(tmp_path):
 
 
 def test_settings_that_cannot_be_honoured_fail_at_construction(tmp_path):
-    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+    with pytest.raises(ValueError, match="needs CUDA.*vllm_mode='colocate'"):
         TLTGRPOTrainer(model=policy(), reward_funcs=length_reward,
                        args=GRPOConfig(**grpo_kwargs(tmp_path), use_vllm=True, vllm_mode="server"),
                        train_dataset=prompt_dataset(), processing_class=char_tokenizer())

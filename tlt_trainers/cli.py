@@ -1,4 +1,5 @@
-"""The ``tlt`` command: ``tlt warmup-drafter --model PATH_OR_ID --out DIR``."""
+"""The ``tlt`` command: ``tlt warmup-drafter --model PATH_OR_ID --out DIR`` and ``tlt vllm-serve-args --model
+PATH_OR_ID --out DIR``."""
 
 from __future__ import annotations
 
@@ -69,10 +70,51 @@ def warmup_command(args) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("vllm-serve-args", help="export a drafter for `trl vllm-serve` and print the command",
+                       description="Export an EAGLE drafter for the policy where vLLM loads it and print the "
+                       "`trl vllm-serve` command that serves the policy with it and with TLT's drafter-reload "
+                       "extension, so TLTGRPOTrainer(use_vllm=True, vllm_mode='server') can refresh it.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="policy: a Hub id or local path, or 'smollm2-135m' (embedded, offline; the default)")
+    p.add_argument("--out", required=True, help="directory for the drafter's vLLM export")
+    p.add_argument("--drafter", default=None, help="a saved drafter to serve (default: a fresh one; the trainer "
+                   "pushes its own drafter when it starts)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--max-speculative-batch-size", type=int, default=None,
+                   help="draft only while at most this many requests run (vLLM's batch-size schedule)")
+
+
+def serve_args_command(args) -> int:
+    import torch
+
+    from .drafter.eagle import EagleDrafter
+    from .drafter.export import export_vllm
+    from .pretrained import SMOLLM2_ALIASES, load_model, smollm2_hf_dir
+    from .vllm.config import batch_size_schedule
+    from .vllm.server import serve_command
+
+    model, _ = load_model(args.model)
+    if args.drafter:
+        drafter = EagleDrafter.from_pretrained(args.drafter, target=model)
+    else:
+        torch.manual_seed(0)
+        drafter = EagleDrafter.from_target(model)
+    out = export_vllm(drafter, args.out, model, num_speculative_tokens=args.num_speculative_tokens,
+                      full_vocab_head=drafter.config.uses_draft_vocab)
+    schedule = batch_size_schedule(args.num_speculative_tokens, args.max_speculative_batch_size)
+    extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
+    policy = smollm2_hf_dir() if str(args.model).lower() in SMOLLM2_ALIASES else args.model
+    print(f"exported the drafter to {out}; serve the policy with it:\n")
+    print(serve_command(policy, Path(out).resolve(), args.num_speculative_tokens, **extra))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlt", description="tlt-trainers command line")
     sub = parser.add_subparsers(dest="command", required=True)
     _warmup_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -81,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "warmup-drafter":
         return warmup_command(args)
+    if args.command == "vllm-serve-args":
+        return serve_args_command(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -59,14 +59,11 @@ _VLLM_CPU_SAMPLING_WARNING = (
     "vLLM runs without speculation. The drafter still trains on every rollout and is saved in the checkpoints; on "
     "GPUs it is served inside vLLM and refreshed after each update."
 )
-_VLLM_SERVER_ERROR = (
-    "TLTGRPOTrainer serves its drafter in TRL's colocated vLLM engine (use_vllm=True, vllm_mode='colocate'), where "
-    "each drafter update is loaded into the running engine. vllm_mode='server' is not supported yet: TRL's "
-    "`trl vllm-serve` has no way to receive drafter weights. Use vllm_mode='colocate', or use_vllm=False for TLT's "
-    "own speculative engine. To serve a fixed drafter from a server, export it with "
-    "tlt_trainers.drafter.export.export_vllm(drafter, out_dir) and start `trl vllm-serve --model <policy> "
-    "--speculative_config '{\"method\": \"eagle\", \"model\": \"<out_dir>\", \"num_speculative_tokens\": 3}'` "
-    "with the stock trl.GRPOTrainer."
+_VLLM_SERVER_CPU_ERROR = (
+    "vllm_mode='server' needs CUDA: TRL sends the policy's weights to `trl vllm-serve` over NCCL "
+    "(trl/generation/vllm_client.py, init_communicator), and the stock GRPOTrainer stops there too on a CPU. On CPUs "
+    "use vllm_mode='colocate' (TRL's engine inside the trainer's process, where TLT serves and refreshes the "
+    "drafter), or use_vllm=False for TLT's own speculative engine."
 )
 
 
@@ -341,9 +338,21 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ vLLM (colocate)
     def _tlt_start_vllm(self) -> None:
-        """Start TRL's colocated engine with the drafter as its EAGLE speculator (plain vLLM without a drafter)."""
-        from ..vllm import VLLMDrafterSync, batch_size_schedule, spec_decode_counters
+        """Start TRL's colocated engine with the drafter as its EAGLE speculator (plain vLLM without a drafter); in
+        server mode, check that the server serves a drafter TLT can refresh and load this drafter into it."""
+        from ..vllm import VLLMDrafterSync, batch_size_schedule
 
+        self._tlt_vllm_pushes = 0
+        if self.vllm_mode == "server":
+            if self.drafter is not None and self.accelerator.is_main_process:  # the rank that talks to the server
+                from ..vllm.server import VLLMServerDrafterSync
+
+                directory = Path(self.args.output_dir) / VLLM_DRAFTER_DIR / "server"
+                sync = VLLMServerDrafterSync(self.vllm_generation.vllm_client.base_url, self.drafter, directory,
+                                             full_vocab_head=self.drafter.config.uses_draft_vocab)
+                sync.push(self.drafter)  # the server started with another drafter's weights (or dummy ones)
+                self._tlt_vllm_sync, self._tlt_vllm_seen = sync, sync.counters()
+            return
         if self.drafter is None:
             self.vllm_generation.start(None)
             return
@@ -361,8 +370,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
         self.vllm_generation.start(sync, **extra)
         self._tlt_vllm_sync = sync
-        self._tlt_vllm_seen = spec_decode_counters(self.vllm_generation.llm)
-        self._tlt_vllm_pushes = 0
+        self._tlt_vllm_seen = sync.counters()
 
     def _tlt_push_drafter(self) -> float:
         """Load the drafter's current weights into the running vLLM engine; returns the seconds it took."""
@@ -376,9 +384,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         """TRL's vLLM generation; vLLM's speculative-decoding counters become this rollout's ``tlt/*`` counts."""
         output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         if self._tlt_vllm_sync is not None:
-            from ..vllm import spec_decode_counters
-
-            now = spec_decode_counters(self.vllm_generation.llm)
+            now = self._tlt_vllm_sync.counters()
             self._tlt_counters.add_spec_decode(now - self._tlt_vllm_seen)
             self._tlt_vllm_seen = now
         if self._tlt_trains_at_generation_end and not self._tlt_in_tool_loop and not getattr(self, "tools", None):
@@ -623,8 +629,9 @@ class TLTGRPOTrainer(GRPOTrainer):
 
 def _check_args(args) -> None:
     """Settings TLT cannot honour, refused before anything is built."""
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") != "colocate":
-        raise ValueError(_VLLM_SERVER_ERROR)
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "server" and (
+            getattr(args, "use_cpu", False) or not torch.cuda.is_available()):
+        raise ValueError(_VLLM_SERVER_CPU_ERROR)
     if getattr(args, "use_transformers_continuous_batching", False) or getattr(args, "use_transformers_paged", False):
         raise ValueError(
             "use_transformers_continuous_batching (use_transformers_paged) replaces generation with transformers' "

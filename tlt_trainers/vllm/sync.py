@@ -19,6 +19,7 @@ from ..drafter.eagle import EagleDrafter
 from ..drafter.export import export_vllm, vllm_weights
 from ._install import VLLM_INSTALL_HINT, require_vllm, vllm_version
 from .config import EXTENSION, check_drafter_matches, speculative_config
+from .metrics import SpecDecodeCounters, spec_decode_counters
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,10 @@ class VLLMDrafterSync:
         self.version += 1
         return PushTiming(convert_seconds=convert, reload_seconds=max(r["seconds"] for r in results),
                           total_seconds=time.perf_counter() - start, tensors=len(tensors), version=self.version)
+
+    def counters(self) -> SpecDecodeCounters:
+        """The engine's cumulative speculative-decoding counters (:func:`~tlt_trainers.vllm.spec_decode_counters`)."""
+        return spec_decode_counters(self.llm)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
