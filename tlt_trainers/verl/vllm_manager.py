@@ -1,0 +1,59 @@
+"""The checkpoint manager of veRL's vLLM rollout with TLT: after every policy sync, the drafter follows.
+
+veRL builds it from ``actor_rollout_ref.rollout.checkpoint_manager_class`` (``configure_vllm_rollout`` sets it) and
+calls ``update_weights`` at the start of ``fit`` and after every actor update. This one runs veRL's sync, then, where
+vLLM serves the drafter, fetches the drafter's weights from actor rank 0 (one safetensors blob of vLLM's tensors:
+vLLM's msgpack RPC does not rebuild tensors inside untyped arguments) and has every worker of every replica reload
+them (``tlt_reload_drafter`` of :class:`~.vllm_worker.TLTColocateExtension`, vLLM's layer-wise reload), then resets
+the replicas' prefix caches, whose drafter KV entries the old weights computed. It pushes after every sync, changed
+or not: a sleep at level 2 discards the drafter's weights with the policy's, and the first push replaces the dummy
+weights vLLM starts with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.utils.ray_utils import auto_await
+
+
+class TLTCheckpointEngineManager(CheckpointEngineManager):
+    """veRL's CheckpointEngineManager plus the drafter push; counts in :attr:`pushes`, timings in the last push."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pushes = 0
+        self.last_push_seconds = 0.0
+        self.last_sync_end: float | None = None  # the rollout starts after a sync: the trainer times it from here
+        self.pushed_version: int | None = None
+        self.dtype: str | None = None  # the rollout's dtype: set by TLTPPOTrainer
+
+    @property
+    def servers(self) -> list:
+        return [server for replica in self.replicas for server in replica.servers]
+
+    @auto_await
+    async def update_weights(self, global_steps: int | None = None):
+        metrics = await CheckpointEngineManager.update_weights.__wrapped__(self, global_steps)
+        await self.push_drafter()
+        self.last_sync_end = time.perf_counter()
+        return metrics
+
+    async def push_drafter(self) -> bool:
+        """Load actor rank 0's drafter into every vLLM worker that speculates with it; False when none does."""
+        if not getattr(self, "speculating", False):
+            return False
+        start = time.perf_counter()
+        answers = await asyncio.to_thread(self.actor_wg.tlt_drafter_weights, self.dtype)
+        answer = next((a for a in answers if a is not None), None)
+        if answer is None:
+            return False
+        version, blob = answer
+        await asyncio.gather(*[s.collective_rpc.remote("tlt_reload_drafter", args=(blob,)) for s in self.servers])
+        await asyncio.gather(*[replica.clear_kv_cache() for replica in self.replicas])
+        self.pushes += 1
+        self.pushed_version = version
+        self.last_push_seconds = time.perf_counter() - start
+        return True
