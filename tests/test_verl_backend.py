@@ -92,6 +92,8 @@ def test_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="speculation"):
         TLTSection.from_mapping({"speculation": "sometimes"})
     with pytest.raises(ValueError, match="rollout.name=tlt"):
+        check_tlt_config(compose_config("actor_rollout_ref.rollout.name=sglang"))
+    with pytest.raises(ValueError, match="agent_loop_manager_class=null"):  # vLLM: rollout_backend=vllm sets it
         check_tlt_config(compose_config("actor_rollout_ref.rollout.name=vllm"))
     with pytest.raises(ValueError, match="use_v1=false"):
         check_tlt_config(compose_config("trainer.use_v1=true"))

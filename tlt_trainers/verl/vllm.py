@@ -1,7 +1,7 @@
 """veRL's vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) with TLT's drafter: the rollout's settings.
 
 :func:`configure_vllm_rollout` runs in ``check_tlt_config`` (driver, before Ray starts) and completes the rollout
-config (``config/tlt_ppo_trainer_vllm.yaml`` selects it):
+config (``rollout_backend=vllm``, ``config/rollout_backend/vllm.yaml``, selects it):
 
 * the vLLM worker extension (:class:`~.vllm_worker.TLTColocateExtension`: veRL's policy sync plus TLT's drafter
   reload) and the checkpoint manager that pushes the drafter after every policy sync
@@ -74,10 +74,10 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
     manager = rollout.get("agent", {}).get("agent_loop_manager_class")
     if manager and manager.endswith("TLTAgentLoopManager"):
         raise ValueError("TLTAgentLoopManager drives the tlt rollout backend; with rollout.name=vllm set "
-                         "actor_rollout_ref.rollout.agent.agent_loop_manager_class=null (the tlt_ppo_trainer_vllm "
-                         "config does).")
+                         "actor_rollout_ref.rollout.agent.agent_loop_manager_class=null (rollout_backend=vllm "
+                         "does).")
     checkpoint_manager = rollout.get("checkpoint_manager_class")
-    if checkpoint_manager not in (None, MANAGER):
+    if checkpoint_manager is not None and not _subclass_of(checkpoint_manager, MANAGER):
         raise ValueError(f"actor_rollout_ref.rollout.checkpoint_manager_class={checkpoint_manager!r}: TLT pushes the "
                          f"drafter to vLLM from its own manager; set it to {MANAGER} (or subclass that).")
     with open_dict(config):
@@ -88,11 +88,11 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
             rollout.engine_kwargs[BACKEND] = {}
         kwargs = rollout.engine_kwargs[BACKEND]
         extension = kwargs.get("worker_extension_cls")
-        if extension not in (None, EXTENSION):
+        if extension is not None and not _subclass_of(extension, EXTENSION):
             raise ValueError(f"engine_kwargs.vllm.worker_extension_cls={extension!r}: TLT needs its own extension "
                              f"(veRL's plus the drafter reload): set it to {EXTENSION} or subclass that.")
-        kwargs.worker_extension_cls = EXTENSION
-        rollout.checkpoint_manager_class = MANAGER
+        kwargs.worker_extension_cls = extension or EXTENSION
+        rollout.checkpoint_manager_class = checkpoint_manager or MANAGER
         spec = kwargs.get("speculative_config")
         ours = drafter_export_dir(rollout) is not None
         if spec and not ours:
@@ -101,6 +101,13 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
         if config.trainer.get("device") == "cpu":
             for change in _cpu_changes(rollout):
                 logger.warning("TLT on CPU: %s", change)
+        ulysses = max(int(config.actor_rollout_ref.actor.get("ulysses_sequence_parallel_size", 1) or 1),
+                      int((config.actor_rollout_ref.actor.get("fsdp_config") or {}).get(
+                          "ulysses_sequence_parallel_size", 1) or 1))
+        if ulysses > 1 and section.speculation != "never":
+            raise ValueError("The drafter learns from whole sequences of the actor's old-log-prob pass, which Ulysses "
+                             "sequence parallelism splits across ranks: set actor_rollout_ref.actor."
+                             "ulysses_sequence_parallel_size=1, or tlt.speculation=never (no drafter).")
         if speculates(config, section):
             if rollout.get("tensor_model_parallel_size", 1) != 1:
                 raise ValueError("TLT reloads its one-layer drafter whole in every vLLM worker: set actor_rollout_ref."
@@ -117,6 +124,18 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
             kwargs.speculative_config = None
 
 
+def _subclass_of(name: str, base: str) -> bool:
+    """Whether the class named ``name`` (module.Class) is ``base`` or a subclass of it (False if it does not load)."""
+    if name == base:
+        return True
+    from verl.utils.import_utils import load_class_from_fqn
+
+    try:
+        return issubclass(load_class_from_fqn(name, "class"), load_class_from_fqn(base, "class"))
+    except Exception:  # noqa: BLE001 (a name that does not load is not ours)
+        return False
+
+
 def _cpu_changes(rollout) -> list[str]:
     from .vllm_cpu import cpu_rollout_overrides
 
@@ -131,7 +150,7 @@ def rollout_dtype(config: DictConfig) -> str | None:
 def vllm_engine_kwargs(drafter, out_dir: str | os.PathLike, policy=None, num_speculative_tokens: int = 3) -> dict:
     """A static drafter for a plain veRL vLLM rollout (no TLT trainer): export ``drafter`` where vLLM's EAGLE loader
     reads it and return ``engine_kwargs.vllm`` that points at it. vLLM keeps these weights (dummy ones with veRL's
-    default ``load_format=dummy``): TLTPPOTrainer with the tlt_ppo_trainer_vllm config trains and pushes the drafter."""
+    default ``load_format=dummy``): TLTPPOTrainer with rollout_backend=vllm trains and pushes the drafter."""
     from ..drafter.export import export_vllm
     from ..vllm.config import speculative_config
 

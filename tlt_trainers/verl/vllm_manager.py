@@ -8,15 +8,25 @@ them (``tlt_reload_drafter`` of :class:`~.vllm_worker.TLTColocateExtension`, vLL
 the replicas' prefix caches, whose drafter KV entries the old weights computed. It pushes after every sync, changed
 or not: a sleep at level 2 discards the drafter's weights with the policy's, and the first push replaces the dummy
 weights vLLM starts with.
+
+While vLLM speculates, :meth:`spec_decode_counters` reads its ``vllm:spec_decode_*`` counters from every replica's
+``/metrics`` (veRL's vLLM server runs vLLM's HTTP app in the process that keeps the stats).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import urllib.request
 
 from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
+
+from ..vllm.metrics import SpecDecodeCounters
+from ..vllm.server import parse_spec_decode_metrics
+
+logger = logging.getLogger(__name__)
 
 
 class TLTCheckpointEngineManager(CheckpointEngineManager):
@@ -29,6 +39,7 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
         self.last_sync_end: float | None = None  # the rollout starts after a sync: the trainer times it from here
         self.pushed_version: int | None = None
         self.dtype: str | None = None  # the rollout's dtype: set by TLTPPOTrainer
+        self._counters_seen = SpecDecodeCounters()
 
     @property
     def servers(self) -> list:
@@ -57,3 +68,33 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
         self.pushed_version = version
         self.last_push_seconds = time.perf_counter() - start
         return True
+
+    def spec_decode_counters(self) -> SpecDecodeCounters | None:
+        """vLLM's speculative-decoding counts since the last call, summed over the replicas (None when none reports
+        them: not speculating, or /metrics unreachable)."""
+        total, seen = SpecDecodeCounters(), False
+        for replica in self.replicas:
+            address = replica.server_address
+            if not address:
+                continue
+            try:
+                with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+                    counters = parse_spec_decode_metrics(response.read().decode())
+            except OSError as err:
+                logger.warning("TLT: cannot read vLLM's /metrics at %s: %s", address, err)
+                continue
+            if counters is not None:
+                total = _add(total, counters)
+                seen = True
+        if not seen:
+            return None
+        delta, self._counters_seen = total - self._counters_seen, total
+        return delta
+
+
+def _add(a: SpecDecodeCounters, b: SpecDecodeCounters) -> SpecDecodeCounters:
+    n = max(len(a.accepted_per_position), len(b.accepted_per_position))
+    pa = tuple(a.accepted_per_position) + (0,) * (n - len(a.accepted_per_position))
+    pb = tuple(b.accepted_per_position) + (0,) * (n - len(b.accepted_per_position))
+    return SpecDecodeCounters(a.num_drafts + b.num_drafts, a.num_draft_tokens + b.num_draft_tokens,
+                              a.num_accepted_tokens + b.num_accepted_tokens, tuple(x + y for x, y in zip(pa, pb)))
