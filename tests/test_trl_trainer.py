@@ -271,3 +271,22 @@ def test_history_drafting_is_on_by_default(tmp_path):
         assert config.history_drafting and any(s.history_tokens for s in config.speculation_strategies())
     off = resolve_tlt_settings(TLTGRPOConfig(**grpo_kwargs(tmp_path), history_drafting=False)).tlt_config()
     assert not any(s.history_tokens for s in off.speculation_strategies())
+
+
+def test_where_the_drafter_trains_with_vllm():
+    """A rank trains in idle time only where it can finish generating before another: without vLLM, or colocated
+    vLLM whose tensor-parallel groups do not span all ranks. Server mode and one process train after the old-logps
+    pass, for a budget."""
+    from types import SimpleNamespace
+
+    def trains_at_generation_end(use_vllm, mode="colocate", tp=1, world=1):
+        trainer = SimpleNamespace(use_vllm=use_vllm, vllm_mode=mode, vllm_tensor_parallel_size=tp,
+                                  _tlt_ranks=SimpleNamespace(distributed=world > 1, world=world))
+        return TLTGRPOTrainer._tlt_trains_at_generation_end.fget(trainer)
+
+    assert trains_at_generation_end(False) and trains_at_generation_end(False, world=4)
+    assert not trains_at_generation_end(True)
+    assert trains_at_generation_end(True, world=2)
+    assert not trains_at_generation_end(True, "server", world=2)
+    assert not trains_at_generation_end(True, tp=2, world=2)
+    assert trains_at_generation_end(True, tp=2, world=4)

@@ -80,6 +80,14 @@ class RankGroup:
         if work is not None:
             work.wait()
 
+    def broadcast_object(self, value, src: int = 0):
+        """``src``'s picklable ``value`` on every rank (``value`` itself in a single process)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
     # ------------------------------------------------------------------ figures
     def gather(self, row: list[float]) -> torch.Tensor:
         """Every rank's row of STAT_FIELDS figures, as a [world, fields] float64 table."""

@@ -225,9 +225,13 @@ class TLTGRPOTrainer(GRPOTrainer):
     @property
     def _tlt_trains_at_generation_end(self) -> bool:
         """Whether the drafter update runs as soon as this rank's generation ends (before TRL's gathers, so a fast
-        rank trains while slower ranks generate); otherwise (vLLM, one process) after the old-logps pass, on the
-        features of the rollout just generated."""
-        return not self.use_vllm or self._tlt_ranks.distributed
+        rank trains while slower ranks generate); otherwise after the old-logps pass, on the features of the rollout
+        just generated, for a budget. The latter with vLLM wherever no rank can finish before another: one process,
+        server mode (the main process generates for all ranks), or one tensor-parallel group spanning all ranks."""
+        if not self.use_vllm:
+            return True
+        return (self._tlt_ranks.distributed and self.vllm_mode == "colocate"
+                and self.vllm_tensor_parallel_size < self._tlt_ranks.world)
 
     def _tlt_warn_once(self, key: str, message: str) -> None:
         if key not in self._tlt_warned:
@@ -344,14 +348,24 @@ class TLTGRPOTrainer(GRPOTrainer):
 
         self._tlt_vllm_pushes = 0
         if self.vllm_mode == "server":
+            error = None
             if self.drafter is not None and self.accelerator.is_main_process:  # the rank that talks to the server
                 from ..vllm.server import VLLMServerDrafterSync
 
                 directory = Path(self.args.output_dir) / VLLM_DRAFTER_DIR / "server"
-                sync = VLLMServerDrafterSync(self.vllm_generation.vllm_client.base_url, self.drafter, directory,
-                                             full_vocab_head=self.drafter.config.uses_draft_vocab)
-                sync.push(self.drafter)  # the server started with another drafter's weights (or dummy ones)
-                self._tlt_vllm_sync, self._tlt_vllm_seen = sync, sync.counters()
+                try:
+                    sync = VLLMServerDrafterSync(self.vllm_generation.vllm_client.base_url, self.drafter, directory,
+                                                 full_vocab_head=self.drafter.config.uses_draft_vocab)
+                    sync.push(self.drafter)  # the server started with another drafter's weights (or dummy ones)
+                    self._tlt_vllm_sync, self._tlt_vllm_seen = sync, sync.counters()
+                except (ValueError, RuntimeError) as err:
+                    error = err
+            # Every rank raises the main process's error: the others would otherwise wait in TRL's collectives.
+            message = self._tlt_ranks.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+            if error is not None:
+                raise error
+            if message is not None:
+                raise RuntimeError(f"The main process could not use the vLLM server: {message}")
             return
         if self.drafter is None:
             self.vllm_generation.start(None)
@@ -426,7 +440,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         rollout_seconds = time.perf_counter() - self._tlt_rollout_start
         posted = time.perf_counter()
         work = ranks.post_arrival(rollout_seconds)
-        if ranks.distributed:  # train while slower ranks are still generating
+        if ranks.distributed and self._tlt_trains_at_generation_end:  # train while slower ranks still generate
             update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
         else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
             budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)

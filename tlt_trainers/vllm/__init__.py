@@ -12,7 +12,7 @@ then ``pip uninstall -y torchvision torchaudio torchcodec``).
 
 from ._install import VLLM_INSTALL_HINT, in_process_cpu_environment, require_vllm
 from .config import EXTENSION, batch_size_schedule, check_drafter_matches, speculative_config
-from .metrics import SpecDecodeCounters, spec_decode_counters
+from .metrics import SpecDecodeCounters, parse_spec_decode_metrics, spec_decode_counters
 from .sync import PushTiming, VLLMDrafterSync
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "batch_size_schedule",
     "check_drafter_matches",
     "in_process_cpu_environment",
+    "parse_spec_decode_metrics",
     "require_vllm",
     "spec_decode_counters",
     "speculative_config",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 _PREFIX = "vllm:spec_decode_"
+# Prometheus counters carry a _total suffix (their *_created twins are timestamps).
+_METRIC = re.compile(r"^vllm:spec_decode_(\w+?)_total(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$")
 
 
 @dataclass(frozen=True)
@@ -32,16 +35,22 @@ class SpecDecodeCounters:
         """Accepted draft tokens / draft tokens (NaN before any draft)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else math.nan
 
-    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+    def _combine(self, other: SpecDecodeCounters, sign: int) -> SpecDecodeCounters:
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = tuple(self.accepted_per_position) + (0,) * (n - len(self.accepted_per_position))
         theirs = tuple(other.accepted_per_position) + (0,) * (n - len(other.accepted_per_position))
         return SpecDecodeCounters(
-            self.num_drafts - other.num_drafts,
-            self.num_draft_tokens - other.num_draft_tokens,
-            self.num_accepted_tokens - other.num_accepted_tokens,
-            tuple(a - b for a, b in zip(mine, theirs)),
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            tuple(a + sign * b for a, b in zip(mine, theirs)),
         )
+
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        return self._combine(other, -1)
 
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
@@ -80,3 +89,27 @@ def spec_decode_counters(llm) -> SpecDecodeCounters:
             "default is True) and a speculative_config (VLLMDrafterSync.engine_kwargs() sets both)."
         )
     return SpecDecodeCounters(**totals, accepted_per_position=tuple(per_position))
+
+
+def parse_spec_decode_metrics(text: str) -> SpecDecodeCounters | None:
+    """vLLM's ``vllm:spec_decode_*`` counters from a Prometheus ``/metrics`` page (None when it has none)."""
+    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    per_position: dict[int, int] = {}
+    seen = False
+    for line in text.splitlines():
+        match = _METRIC.match(line.strip())
+        if match is None:
+            continue
+        key, labels, value = match.groups()
+        if key in totals:
+            totals[key] += int(float(value))
+            seen = True
+        elif key == "num_accepted_tokens_per_pos":
+            position = re.search(r'position="(\d+)"', labels or "")
+            if position is not None:
+                index = int(position.group(1))
+                per_position[index] = per_position.get(index, 0) + int(float(value))
+    if not seen:
+        return None
+    positions = tuple(per_position.get(i, 0) for i in range(max(per_position) + 1)) if per_position else ()
+    return SpecDecodeCounters(**totals, accepted_per_position=positions)

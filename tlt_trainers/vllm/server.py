@@ -16,9 +16,10 @@ runs with ``VLLM_SERVER_DEV_MODE=1``, which ``trl vllm-serve`` sets.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import re
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,8 @@ from ..drafter.config import WEIGHTS_NAME
 from ..drafter.eagle import EagleDrafter
 from ..drafter.export import vllm_weights
 from .config import EXTENSION
-from .metrics import SpecDecodeCounters
+from .metrics import SpecDecodeCounters, parse_spec_decode_metrics
 from .sync import PushTiming, _torch_dtype
-
-# Prometheus counters carry a _total suffix (their *_created twins are timestamps).
-_METRIC = re.compile(r"^vllm:spec_decode_(\w+?)_total(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$")
 
 
 def serve_command(policy: str | os.PathLike, drafter_dir: str | os.PathLike, num_speculative_tokens: int = 3,
@@ -42,32 +40,8 @@ def serve_command(policy: str | os.PathLike, drafter_dir: str | os.PathLike, num
     (``speculative_extra``: other fields of vLLM's speculative config)."""
     spec = {"method": "eagle", "model": str(drafter_dir), "num_speculative_tokens": int(num_speculative_tokens),
             **speculative_extra}
-    return (f"trl vllm-serve --model {policy} --speculative_config '{json.dumps(spec)}' "
-            f"--worker-extension-cls {EXTENSION}")
-
-
-def parse_spec_decode_metrics(text: str) -> SpecDecodeCounters | None:
-    """vLLM's ``vllm:spec_decode_*`` counters from a Prometheus ``/metrics`` page (None when it has none)."""
-    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-    per_position: dict[int, int] = {}
-    seen = False
-    for line in text.splitlines():
-        match = _METRIC.match(line.strip())
-        if match is None:
-            continue
-        key, labels, value = match.groups()
-        if key in totals:
-            totals[key] += int(float(value))
-            seen = True
-        elif key == "num_accepted_tokens_per_pos":
-            position = re.search(r'position="(\d+)"', labels or "")
-            if position is not None:
-                index = int(position.group(1))
-                per_position[index] = per_position.get(index, 0) + int(float(value))
-    if not seen:
-        return None
-    positions = tuple(per_position.get(i, 0) for i in range(max(per_position) + 1)) if per_position else ()
-    return SpecDecodeCounters(**totals, accepted_per_position=positions)
+    return shlex.join(["trl", "vllm-serve", "--model", str(policy), "--speculative_config", json.dumps(spec),
+                       "--worker-extension-cls", EXTENSION])
 
 
 class VLLMServerDrafterSync:
@@ -114,7 +88,7 @@ class VLLMServerDrafterSync:
             raise ValueError(f"The vLLM server at {self.base_url} does not speculate with an EAGLE drafter "
                              f"(speculative_config={spec or None}). {self._fix()}")
         extension = (config.get("parallel_config") or {}).get("worker_extension_cls") or ""
-        if extension != EXTENSION:
+        if not _is_reload_extension(extension):
             raise ValueError(f"The vLLM server at {self.base_url} runs without TLT's drafter-reload extension "
                              f"(worker_extension_cls={extension!r}), so drafter updates cannot reach it. {self._fix()}")
         info = self._rpc("tlt_drafter_info")
@@ -156,7 +130,10 @@ class VLLMServerDrafterSync:
                 raise RuntimeError(f"The vLLM server cannot read {file.resolve()}: run it on this machine or give the "
                                    "trainer an output_dir on a filesystem the server shares.") from err
             raise
-        self._http.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout).raise_for_status()
+        reset = self._http.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout)
+        reset.raise_for_status()
+        if reset.content and isinstance(reset.json(), dict) and reset.json().get("success") is False:
+            raise RuntimeError(f"The vLLM server at {self.base_url} refused to reset its prefix cache: {reset.text}")
         self.version += 1
         return PushTiming(convert_seconds=convert, reload_seconds=max(r["seconds"] for r in results),
                           total_seconds=time.perf_counter() - start, tensors=len(tensors), version=self.version)
@@ -173,6 +150,20 @@ class VLLMServerDrafterSync:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _is_reload_extension(name: str) -> bool:
+    """Whether the worker extension the server names is TLT's reload extension or a subclass of it."""
+    if name == EXTENSION:
+        return True
+    module, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr) if module else None
+    except Exception:  # not importable here (another environment's class): not one TLT can vouch for
+        return False
+    from .worker import DrafterReloadExtension
+
+    return isinstance(cls, type) and issubclass(cls, DrafterReloadExtension)
 
 
 __all__ = ["VLLMServerDrafterSync", "parse_spec_decode_metrics", "serve_command"]
