@@ -3,7 +3,9 @@
 veRL's vLLM rollout returns tokens only, so the policy's hidden states the drafter learns from come from the actor:
 the old-log-prob pass (``compute_log_prob``, one no-grad forward over every rollout, which RayPPOTrainer runs anyway)
 is observed with a forward hook on the policy's decoder, and every sequence's tokens and last hidden states enter
-the drafter's buffer. No extra policy forward.
+the drafter's buffer, copied per sequence as each micro-batch goes by. No extra policy forward. The reference pass
+that veRL runs through the actor with LoRA (adapter off, ``no_lora_adapter``) is not captured: those are the base
+model's features. FSDP actors only (``configure_vllm_rollout`` refuses others while the drafter is on).
 
 Actor rank 0 owns the drafter and its trainer (other ranks return nothing): it sees its own data-parallel share of
 each batch. The drafter reads the policy's embedding and LM head; rank 0 keeps a plain copy of those two tensors,
@@ -13,8 +15,8 @@ extra gather), which are exactly the weights the rollout and the old-log-prob pa
 
 The trainer (``TLTPPOTrainer``) calls, each dispatched to every rank (``Dispatch.ONE_TO_ALL``):
 ``tlt_train_drafter(seconds)`` after the old-log-prob pass, ``tlt_drafter_weights()`` from the checkpoint manager
-after each policy sync (the blob it pushes to vLLM), ``tlt_save_drafter(dir)`` / ``tlt_load_drafter(dir)`` with the
-trainer's checkpoints.
+after each policy sync (the blob it pushes to vLLM, or none when vLLM already holds that version),
+``tlt_save_drafter(dir)`` / ``tlt_load_drafter(dir)`` with the trainer's checkpoints.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from torch import nn
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from ..drafter.eagle import EagleDrafter
 from ..drafter.export import export_vllm, vllm_weights
 from ..drafter.setup import rollout_drafter
+from ..vllm.sync import _torch_dtype
 from .settings import TLTSection
+from .vllm import drafter_export_dir, drafter_trains, num_speculative_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +132,10 @@ class DrafterOwner:
                  num_speculative_tokens: int, verifier: str | None):
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.shell = PolicyShell(hf_config, device, dtype)
-        settings = section
-        if settings.draft_vocab_size is None:  # vLLM's EAGLE-1 drafts over the full vocabulary
-            settings = dataclasses.replace(settings, draft_vocab_size=0)
+        if section.draft_vocab_size is None:  # vLLM's EAGLE-1 drafts over the full vocabulary
+            section = dataclasses.replace(section, draft_vocab_size=0)
         self.settings = section
-        self.drafter, self.trainer, self.draft_vocab_ready = rollout_drafter(self.shell, settings, section.seed)
+        self.drafter, self.trainer, self.draft_vocab_ready = rollout_drafter(self.shell, section, section.seed)
         self.full_vocab_head = self.drafter.config.uses_draft_vocab
         self.version = 0  # bumps with every training call that stepped and every load
         self.export_dir = export_dir
@@ -141,13 +143,25 @@ class DrafterOwner:
             export_vllm(self.drafter, export_dir, verifier, num_speculative_tokens=num_speculative_tokens,
                         full_vocab_head=self.full_vocab_head)
 
+    @property
+    def trains(self) -> bool:
+        """Whether the drafter trains during RL (0 for drafter_update_seconds, drafter_update_fraction or
+        drafter_max_steps_per_update switches it off; then no features are captured either)."""
+        return drafter_trains(self.settings)
+
     def add(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Buffer each sequence as its own copy (``pairs`` may be views into a micro-batch's hidden states, which
+        must not stay alive with the buffer), cut to the buffer's window first."""
         dtype = self.shell.get_output_embeddings().weight.dtype
+        window = self.trainer.buffer.max_tokens
         for tokens, features in pairs:
-            self.trainer.add_features(tokens.detach(), features.detach().to(dtype))
+            start = max(0, features.shape[0] - window)
+            self.trainer.add_features(tokens[start:].detach().clone(),
+                                      features[start:].detach().to(dtype=dtype, copy=True))
 
     def train(self, max_seconds: float) -> dict:
-        """At least one micro-step, then until ``max_seconds`` (or drafter_max_steps_per_update) are spent."""
+        """At least one micro-step, then until ``max_seconds`` (or drafter_max_steps_per_update) are spent. The
+        trainer does not call this when training is switched off (:attr:`trains`)."""
         trainer = self.trainer
         max_steps = self.settings.drafter_max_steps_per_update
         if len(trainer.buffer) == 0 or max_steps == 0:
@@ -177,9 +191,7 @@ class DrafterOwner:
         self.trainer.save_checkpoint(directory)
 
     def load(self, directory: str) -> None:
-        loaded = EagleDrafter.from_pretrained(directory, target=self.shell)
-        self.drafter.load_state_dict(loaded.state_dict())
-        self.trainer.load_checkpoint(directory)
+        self.trainer.load_checkpoint(directory)  # weights, optimizer, step; a drafter of other settings is an error
         self.draft_vocab_ready = True
         self.version += 1
 
@@ -188,7 +200,30 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _reference_pass(data) -> bool:
+    """Whether this ``compute_log_prob`` call is veRL's reference pass rather than the old-log-prob pass: with LoRA the
+    reference policy is the actor without its adapter (``ref_in_actor``), and ``_compute_ref_log_prob`` marks the
+    call ``no_lora_adapter=True``, the flag that makes the actor drop the adapter (``infer_batch``). Its features are
+    the base model's, not the policy's."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    if isinstance(data, TensorDict):
+        return bool(tu.get(data, "no_lora_adapter", default=False))
+    return bool((getattr(data, "meta_info", None) or {}).get("no_lora_adapter", False))
+
+
+def _hf_config(worker):
+    """The policy's Hugging Face config as veRL built it for the actor (override_config applied), else read from the
+    model's path."""
+    hf_config = getattr(getattr(worker.actor, "model_config", None), "hf_config", None)
+    if hf_config is not None:
+        return hf_config
+    from transformers import AutoConfig
+
+    model_config = worker.config.model
+    path = model_config.get("local_path") or model_config.path
+    return AutoConfig.from_pretrained(path, trust_remote_code=bool(model_config.get("trust_remote_code")))
 
 
 class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
@@ -201,22 +236,18 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
         if "actor" not in self.role:
             return
         from .replica import section_of
-        from .vllm import drafter_export_dir, num_speculative_tokens
 
         section = section_of(self.config.rollout)
         if section.speculation == "never":
             return
         engine = self.actor.engine
         if _rank() == 0:
-            model_config = self.config.model
-            from transformers import AutoConfig
-
-            path = model_config.get("local_path") or model_config.path
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=bool(model_config.get("trust_remote_code")))
             from verl.utils.device import get_device_name
 
+            model_config = self.config.model
+            path = model_config.get("local_path") or model_config.path
             device = torch.device(get_device_name())
-            self._tlt = DrafterOwner(hf_config, section, device, drafter_export_dir(self.config.rollout),
+            self._tlt = DrafterOwner(_hf_config(self), section, device, drafter_export_dir(self.config.rollout),
                                      num_speculative_tokens(section), path)
         original = engine.get_per_tensor_param
         owner = self._tlt
@@ -230,21 +261,18 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data):
         owner = getattr(self, "_tlt", None)
-        if owner is None:
+        if owner is None or not owner.trains or _reference_pass(data):
             return super().compute_log_prob(data)
-        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        def hook(module, args, kwargs, output):
+        def hook(module, args, kwargs, output):  # one micro-batch: its sequences are copied into the buffer now
             hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-            captured.extend(sequences_from_forward(kwargs, hidden.detach()))
+            owner.add(sequences_from_forward(kwargs, hidden.detach()))
 
         handle = self.actor.engine.module.get_decoder().register_forward_hook(hook, with_kwargs=True)
         try:
-            output = super().compute_log_prob(data)
+            return super().compute_log_prob(data)
         finally:
             handle.remove()
-        owner.add(captured)
-        return output
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_train_drafter(self, max_seconds: float) -> dict:
@@ -256,12 +284,16 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
         return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def tlt_drafter_weights(self, dtype: str | None = None) -> tuple[int, bytes] | None:
-        """(version, safetensors blob of vLLM's drafter tensors) on rank 0; None elsewhere or without a drafter."""
+    def tlt_drafter_weights(self, dtype: str | None = None,
+                            unless_version: int | None = None) -> tuple[int, bytes | None] | None:
+        """(version, safetensors blob of vLLM's drafter tensors) on rank 0, the blob None when the drafter is still at
+        ``unless_version``; None elsewhere or without a drafter."""
         owner = getattr(self, "_tlt", None)
         if owner is None:
             return None
-        return owner.version, owner.weights(_DTYPES.get(dtype or ""))
+        if unless_version is not None and owner.version == unless_version:
+            return owner.version, None
+        return owner.version, owner.weights(_torch_dtype(dtype) if dtype else None)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_save_drafter(self, directory: str) -> bool:

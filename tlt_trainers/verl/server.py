@@ -27,11 +27,10 @@ from ..drafter.trainer import DrafterTrainer
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import SamplingParams, process_logits
+from ..vllm.sync import _torch_dtype
 from .settings import TLTSection
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -76,7 +75,10 @@ class TLTRolloutServer:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         dtype = self.settings.dtype
-        dtype = _DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if dtype == "auto":
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            dtype = _torch_dtype(dtype)  # one of ROLLOUT_DTYPES (checked by the settings)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                           trust_remote_code=trust_remote_code).to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path, trust_remote_code=trust_remote_code)

