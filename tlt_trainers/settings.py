@@ -58,6 +58,12 @@ class DrafterSettings:
     drafter_micro_batch_size: int = field(
         default=8, metadata={"help": "Sequences per drafter training micro-step."}
     )
+    drafter_precision: str = field(
+        default="auto",
+        metadata={"help": "Drafter training precision: 'auto' (bfloat16 autocast where the device multiplies "
+                  "bfloat16 natively: CUDA, CPUs with AVX512-BF16 or AMX; float32 elsewhere), 'bfloat16' or "
+                  "'float32'. Weights and optimizer state stay float32."},
+    )
     drafter_update_fraction: float = field(
         default=0.1,
         metadata={"help": "When no rank or rollout replica had idle time to train in (a single one, or all "
@@ -114,6 +120,8 @@ class DrafterSettings:
                      "drafter_warmup_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 switches that training off).")
+        if self.drafter_precision not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"drafter_precision={self.drafter_precision!r}: choose 'auto', 'float32' or 'bfloat16'.")
         if self.drafter_max_steps_per_update is not None and self.drafter_max_steps_per_update < 0:
             raise ValueError(f"drafter_max_steps_per_update={self.drafter_max_steps_per_update} must be >= 0 or "
                              "None (time budgets only).")

@@ -28,6 +28,30 @@ from .eagle import EagleDrafter
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
+    AMX-BF16 (elsewhere bfloat16 matmuls on a CPU are emulated and slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def training_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of drafter training for ``precision`` (None: plain float32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {PRECISIONS}.")
+    if precision == "bfloat16" or (precision == "auto" and native_bf16(device)):
+        return torch.bfloat16
+    return None
 
 
 def estimated_acceptance_length(agreement_by_step: list[float], chain_length: int) -> float:
@@ -64,6 +88,7 @@ class DrafterTrainer:
         max_tokens_per_sequence: int = 1024,
         show_progress: bool = False,
         seed: int = 0,
+        precision: str = "auto",
     ):
         if unroll_steps < 1:
             raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
@@ -76,6 +101,8 @@ class DrafterTrainer:
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
         self.unroll_steps, self.unroll_decay = unroll_steps, unroll_decay
         self.buffer = FeatureBuffer(buffer_bytes, max_tokens_per_sequence)
+        # bfloat16 autocast of the drafter's forward and backward (the weights and the optimizer stay float32)
+        self.autocast_dtype = training_dtype(precision, self.target.device)
         self.show_progress = show_progress
         self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
@@ -189,7 +216,7 @@ class DrafterTrainer:
 
         With no budget at all, one pass's worth of micro-steps over the buffer. Returns metrics averaged over
         the micro-steps of this call: loss, top-1 agreement with the policy (per unrolled step), the
-        estimated acceptance length of a 4-token chain, ``steps`` and ``seconds``.
+        estimated acceptance length of a 4-token chain, ``steps``, ``tokens`` (positions trained) and ``seconds``.
         """
         start = time.perf_counter()
         if len(self.buffer) == 0:
@@ -203,7 +230,7 @@ class DrafterTrainer:
             progress = tqdm(total=max_steps, desc="drafter", unit="step")
         sums: dict[str, float] = {}
         agreement_sums = [0.0] * self.unroll_steps
-        steps = 0
+        steps = trained_tokens = 0
         self.drafter.train()
         try:
             while True:
@@ -215,7 +242,10 @@ class DrafterTrainer:
                     break
                 count = min(self.micro_batch_size, len(self.buffer))
                 hidden, tokens, lengths = self._batch(self.buffer.sample(count, self.generator))
-                loss, metrics = self._loss(hidden, tokens, lengths)
+                trained_tokens += int(lengths.sum())
+                with torch.autocast(hidden.device.type, dtype=self.autocast_dtype or torch.float32,
+                                    enabled=self.autocast_dtype is not None):
+                    loss, metrics = self._loss(hidden, tokens, lengths)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
@@ -240,6 +270,7 @@ class DrafterTrainer:
             top1_by_step=agreement,
             estimated_acceptance_length=estimated_acceptance_length(agreement, 4) if steps else nan,
             steps=steps,
+            tokens=trained_tokens,
             total_steps=self.step,
             seconds=time.perf_counter() - start,
             buffer_sequences=len(self.buffer),
