@@ -20,7 +20,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -28,7 +27,8 @@ import torch
 pytest.importorskip("verl")
 pd = pytest.importorskip("pandas")
 
-from tiny_models import EOS, char_tokenizer, tiny_model  # noqa: E402
+from tiny_models import EOS, tiny_model  # noqa: E402
+from verl_runs import run_main_ppo, write_assets  # noqa: E402
 
 
 def _vllm_imports() -> str | None:
@@ -36,16 +36,6 @@ def _vllm_imports() -> str | None:
         return "vLLM is not installed"
     probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
     return None if probe.returncode == 0 else f"import vllm fails here: {probe.stderr.strip().splitlines()[-1:]}"
-
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
-
-REWARD = textwrap.dedent('''
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-        if solution_str.strip().startswith(ground_truth):
-            return 1.0
-        return (len(set(solution_str)) % 7) / 7.0
-''')
 
 
 def policy():
@@ -60,21 +50,7 @@ def policy():
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_vllm")
-    model_dir = root / "tiny_llama"
-    policy().save_pretrained(model_dir)
-    tokenizer = char_tokenizer(64)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
-
-    def rows(n, split):
-        return [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{i % 7}+{(3 * i) % 5}"}],
-                 "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i % 7 + (3 * i) % 5)},
-                 "extra_info": {"index": i, "split": split}} for i in range(n)]
-
-    pd.DataFrame(rows(16, "train")).to_parquet(root / "train.parquet")
-    pd.DataFrame(rows(4, "test")).to_parquet(root / "val.parquet")
-    (root / "reward.py").write_text(REWARD)
-    return root
+    return write_assets(root, policy())
 
 
 # ---------------------------------------------------------------------------------------------- pieces, no Ray
@@ -332,31 +308,14 @@ def test_vllm_cpu_version_fix(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- the real run
 def train(assets, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    overrides = [
-        f"data.train_files={assets / 'train.parquet'}", f"data.val_files={assets / 'val.parquet'}",
-        "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=16",
-        f"actor_rollout_ref.model.path={assets / 'tiny_llama'}",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    return run_main_ppo(
+        assets, steps, "vllm",
         "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
         "actor_rollout_ref.rollout.max_model_len=64", "actor_rollout_ref.rollout.max_num_batched_tokens=256",
         "actor_rollout_ref.rollout.max_num_seqs=16",
-        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
-        f"reward.custom_reward_function.path={assets / 'reward.py'}",
-        "reward.custom_reward_function.name=compute_score",
-        f"trainer.total_training_steps={steps}", "trainer.logger=[console]", "trainer.val_before_train=False",
-        "trainer.test_freq=-1", "trainer.save_freq=1", f"trainer.default_local_dir={assets / 'ckpt'}",
-        "trainer.project_name=tlt-test", "trainer.experiment_name=vllm",
         "tlt.drafter_micro_batch_size=4", "tlt.drafter_update_fraction=0.05", "tlt.drafter_update_seconds=5",
-        "tlt.num_speculative_tokens=2", *extra,
-    ]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
-           "RAY_DEDUP_LOGS": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    command = [sys.executable, "-m", "tlt_trainers.verl.main_ppo", "rollout_backend=vllm", "platform=cpu", *overrides]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=assets)
+        "tlt.num_speculative_tokens=2", *extra, entry=("rollout_backend=vllm",),
+        env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
 
 
 def _metric(line: str, key: str) -> float:
