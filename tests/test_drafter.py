@@ -314,13 +314,13 @@ def test_missing_directory(tmp_path):
 
 def test_config_of_another_architecture(saved):
     _edit_config(saved, architecture="LlamaForCausalLM")
-    with pytest.raises(ValueError, match=r"is not an EagleDrafter config \(architecture='LlamaForCausalLM'\)"):
+    with pytest.raises(ValueError, match=r"is not a drafter config of this package \(architecture='LlamaForCausalLM'"):
         EagleDrafter.from_pretrained(saved)
 
 
 def test_config_without_architecture(saved):
     _edit_config(saved, architecture=None)
-    with pytest.raises(ValueError, match=r"is not an EagleDrafter config \(architecture=None\)"):
+    with pytest.raises(ValueError, match=r"is not a drafter config of this package \(architecture=None"):
         EagleDrafter.from_pretrained(saved)
 
 

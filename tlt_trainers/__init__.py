@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from .config import TLTConfig
-from .drafter import EagleDrafter, EagleDrafterConfig
+from .drafter import Drafter, Eagle3Drafter, EagleDrafter, EagleDrafterConfig
 from .rollout import GenerationResult, GenerationStats, SpeculativeGenerator
 
 __version__ = "0.1.0"
@@ -23,7 +23,9 @@ _LAZY = {
 
 __all__ = [
     "TLTConfig",
+    "Drafter",
     "EagleDrafter",
+    "Eagle3Drafter",
     "EagleDrafterConfig",
     "SpeculativeGenerator",
     "GenerationResult",

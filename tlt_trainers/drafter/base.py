@@ -1,19 +1,35 @@
 """The interface every drafter implements: what the engine, the proposers and the cost profile call.
 
 A drafter reads the policy's features (hidden states the verify passes produce anyway) and the tokens that
-followed them, predicts the next features, and scores tokens over its draft vocabulary through the policy's own
-LM head. EAGLE-1 (:class:`~tlt_trainers.drafter.eagle.EagleDrafter`) and EAGLE-3 drafters both implement it, so the
-engine and the online trainer take either without knowing which.
+followed them, predicts its next feature, and scores tokens over its draft vocabulary. EAGLE-1
+(:class:`~tlt_trainers.drafter.eagle.EagleDrafter`: the policy's last hidden state in, the policy's LM head out)
+and EAGLE-3 (:class:`~tlt_trainers.drafter.eagle3.Eagle3Drafter`: low, middle and high layers fused, its own head)
+both implement it, so the engine and the online trainer take either without knowing which.
+
+What every drafter shares lives here too: the binding to the policy's embedding (held by reference, never a
+parameter of the drafter), the draft vocabulary, and save/load/push, which dispatch on ``config.architecture``.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..modeling.kv_cache import RowKV
+from .config import WEIGHTS_NAME, EagleDrafterConfig
+
+
+class _TargetModules:
+    """Plain holder so that the policy's modules are not registered as the drafter's submodules."""
+
+    def __init__(self, embed: nn.Module, head: nn.Module):
+        self.embed, self.head = embed, head
 
 
 class Drafter(nn.Module, ABC):
@@ -23,39 +39,217 @@ class Drafter(nn.Module, ABC):
     vocabulary); verification always runs over the full vocabulary, so a small draft vocabulary stays lossless.
     """
 
+    config: EagleDrafterConfig
     d2t: torch.Tensor | None
+    _classes: dict[str, type[Drafter]] = {}
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Drafter._classes[cls.__name__] = cls
+
+    def __init__(self, config: EagleDrafterConfig):
+        super().__init__()
+        if config.architecture != type(self).__name__:
+            raise ValueError(f"A {config.architecture} config cannot build a {type(self).__name__}; load it with "
+                             "Drafter.from_pretrained, which picks the class from the config.")
+        self.config = config
+        if config.uses_draft_vocab:
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
+        self._target: _TargetModules | None = None
+
+    # ----------------------------------------------------------------- what the engine asks
     @property
     @abstractmethod
     def feature_size(self) -> int:
-        """Width of the features the drafter reads per token (the policy's hidden size for EAGLE-1)."""
+        """Width of the policy features the drafter reads per token (the hidden size for EAGLE-1, 3x for EAGLE-3)."""
 
     @property
-    @abstractmethod
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The policy layers whose hidden states make the features (vLLM's aux-layer numbering), concatenated in
+        this order; None: the policy's final (normed) hidden state."""
+        return None
+
+    @property
     def draft_vocab_size(self) -> int:
         """Number of tokens the drafter scores (``len(d2t)``, or the policy's vocabulary)."""
-
-    @abstractmethod
-    def ensure_bound(self, model: nn.Module) -> Drafter:
-        """Bind to ``model``'s embedding and LM head unless already bound; refuse a mismatched policy."""
-
-    @abstractmethod
-    def new_kv(self, capacity: int) -> RowKV:
-        """An empty per-row KV cache of ``capacity`` slots for the drafter's own attention."""
+        return self.config.draft_vocab_size if self.config.uses_draft_vocab else self.config.vocab_size
 
     @abstractmethod
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None, kv: RowKV | None = None, slots: torch.Tensor | None = None,
                 kv_len: int | None = None) -> torch.Tensor:
-        """Predicted features [B, q, H] from features ``hidden`` [B, q, F] and the tokens that followed them.
+        """Predicted features [B, q, H] from features ``hidden`` [B, q, F] (or its own predictions [B, q, H]) and
+        the tokens that followed them.
 
         ``mask`` is additive [B, 1, q, kv]; with ``kv`` the new keys are written at ``slots`` [B, q].
         """
 
     @abstractmethod
+    def forward_unrolled(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                         valid: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training-time test: predictions [B, L, H] at each of ``depth`` chained draft steps (see EagleDrafter)."""
+
+    @abstractmethod
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary for predicted features [..., H]."""
+
+    def new_kv(self, capacity: int) -> RowKV:
+        """An empty per-row KV cache of ``capacity`` slots for the drafter's own attention."""
+        return RowKV(capacity)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> the policy's token ids."""
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    # ----------------------------------------------------------------- binding to the policy
+    def _check_policy(self, model: nn.Module) -> None:
+        """Refuse a policy this drafter was not made for (beyond hidden size and vocabulary)."""
+
+    def bind(self, model: nn.Module) -> Drafter:
+        """Attach the policy's embedding and LM head (by reference); check that shapes agree."""
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError(f"{type(model).__name__} exposes no input/output embeddings; cannot attach a drafter.")
+        name = type(self).__name__
+        target_hidden = embed.weight.shape[1]
+        if target_hidden != self.config.hidden_size:
+            raise ValueError(
+                f"Drafter hidden_size={self.config.hidden_size} does not match the policy's {target_hidden}: this "
+                f"drafter was made for another model. Create one with {name}.from_target(model)."
+            )
+        if head.weight.shape[0] != self.config.vocab_size:
+            raise ValueError(
+                f"Drafter vocab_size={self.config.vocab_size} does not match the policy's LM head "
+                f"({head.weight.shape[0]} tokens): load the drafter trained for this model or use "
+                f"{name}.from_target(model)."
+            )
+        self._check_policy(model)
+        self._target = _TargetModules(embed, head)
+        self._head_cache = None
+        return self
+
+    def ensure_bound(self, model: nn.Module) -> Drafter:
+        """Bind to ``model`` unless already bound to its head, and check that device and dtype agree."""
+        if self._target is None or self.target.head is not model.get_output_embeddings():
+            self.bind(model)
+        mine, theirs = next(self.parameters()), model.get_output_embeddings().weight
+        if mine.device != theirs.device or mine.dtype != theirs.dtype:
+            raise ValueError(
+                f"Drafter is on {mine.device}/{mine.dtype} but the policy on {theirs.device}/{theirs.dtype}: "
+                "call drafter.to(device=..., dtype=...) to match."
+            )
+        return self
+
+    @property
+    def target(self) -> _TargetModules:
+        if self._target is None:
+            raise RuntimeError("This drafter is not bound to a policy: call drafter.bind(model) or pass target=model.")
+        return self._target
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The policy's embedding of ``tokens`` (no gradient: the drafter never changes the policy)."""
+        with torch.no_grad():
+            return self.target.embed(tokens)
+
+    # ----------------------------------------------------------------- draft vocabulary
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over ``token_ids`` (target ids, e.g. the most frequent tokens); verification stays full-vocabulary."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if token_ids.numel() != self.draft_vocab_size or not self.config.uses_draft_vocab:
+            raise ValueError(
+                f"set_draft_vocab needs exactly draft_vocab_size={self.draft_vocab_size} ids and a drafter created "
+                "with draft_vocab_size < vocab_size."
+            )
+        in_range = 0 <= token_ids.min() and token_ids.max() < self.config.vocab_size
+        if not in_range or token_ids.unique().numel() != len(token_ids):
+            raise ValueError("Draft vocabulary ids must be distinct token ids of the policy's vocabulary.")
+        self.d2t.copy_(token_ids.sort().values.to(self.d2t.device))
+        self._head_cache = None
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[vocab] map from the policy's token ids to draft ids, -1 for tokens outside the draft vocabulary."""
+        vocab = self.config.vocab_size
+        if self.d2t is None:
+            return torch.arange(vocab)
+        t2d = torch.full((vocab,), -1, dtype=torch.long, device=self.d2t.device)
+        t2d[self.d2t] = torch.arange(len(self.d2t), device=self.d2t.device)
+        return t2d
+
+    # ----------------------------------------------------------------- persistence
+    def save_pretrained(self, save_directory: str | os.PathLike, model_card: dict | None = None) -> None:
+        """config.json + model.safetensors: the drafter's own weights and d2t, never the policy's.
+
+        ``model_card``: keyword arguments of :func:`tlt_trainers.drafter.model_card.write_model_card` (``policy_name``,
+        ``acceptance``, ...); when given, a README.md model card is written next to the weights.
+        """
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save(path)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME),
+                  metadata={"format": "pt", "architecture": self.config.architecture})
+        if model_card is not None:
+            from .model_card import write_model_card
+
+            write_model_card(self, path, **model_card)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target: nn.Module | None = None, **hub_kwargs) -> Drafter:
+        """Load from a directory (or a Hub repo id, downloaded with huggingface_hub) and bind to ``target``.
+
+        The class comes from the saved ``architecture`` (``Drafter.from_pretrained`` loads either kind; a subclass
+        refuses the other one).
+        """
+        directory = Path(path)
+        if not directory.is_dir():
+            text = str(path)
+            if directory.exists() or directory.is_absolute() or text.startswith(".") or text.count("/") > 1:
+                raise FileNotFoundError(
+                    f"No drafter directory at {text}; pass a folder written by save_pretrained "
+                    "or a Hub repo id ('namespace/name')."
+                )
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(str(path), **hub_kwargs))
+        config = EagleDrafterConfig.load(directory)
+        kind = Drafter._classes[config.architecture]
+        if not issubclass(kind, cls):
+            raise ValueError(f"The drafter at {directory} is an {config.architecture} and {cls.__name__}.from_pretrained "
+                             "loads only its own kind: load it with Drafter.from_pretrained.")
+        weights = directory / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights} is missing; the drafter at {directory} is incomplete.")
+        drafter = kind(config)
+        state = load_file(str(weights))
+        try:
+            missing, unexpected = drafter.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # a tensor whose shape disagrees with config.json
+            raise ValueError(f"Drafter weights at {weights} do not match its config: {err}") from err
+        if missing or unexpected:
+            raise ValueError(
+                f"Drafter weights at {weights} do not match its config (missing {missing}, unexpected {unexpected})."
+            )
+        if target is not None:
+            weight = target.get_output_embeddings().weight
+            drafter.to(device=weight.device, dtype=weight.dtype)
+            drafter.bind(target)
+        return drafter
+
+    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, model_card: dict | None = None) -> str:
+        """Save to a temporary directory with a README.md model card and upload it as a model repo.
+
+        ``model_card``: keyword arguments of ``write_model_card`` (``policy_name`` defaults to the policy the drafter
+        was made for, ``repo_id`` to this repo). Returns the commit URL.
+        """
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, model_card={"repo_id": repo_id, **(model_card or {})})
+            info = api.upload_folder(repo_id=repo_id, folder_path=tmp,
+                                     commit_message=commit_message or f"Upload {self.config.architecture}")
+        return str(info)

@@ -16,11 +16,16 @@ import torch
 @dataclass
 class BufferedSequence:
     tokens: torch.Tensor  # [L + 1]: tokens[t + 1] follows features[t]
-    features: torch.Tensor  # [L, H] the policy's final hidden states
+    features: torch.Tensor  # [L, F] the policy's features the drafter reads (final hidden states for EAGLE-1)
+    # The policy's next-token law at t + 1 (what a draft made at t should match), computed once when the sequence
+    # arrives: its top-k token ids [L, k] and probabilities [L, k]; the last row is empty. None: train on tokens.
+    target_ids: torch.Tensor | None = None
+    target_probs: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.tokens.numel() * self.tokens.element_size() + self.features.numel() * self.features.element_size()
+        tensors = (self.tokens, self.features, self.target_ids, self.target_probs)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class FeatureBuffer:
@@ -43,18 +48,28 @@ class FeatureBuffer:
     def num_tokens(self) -> int:
         return sum(seq.features.shape[0] for seq in self.sequences)
 
-    def add(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Add one sequence: ``tokens`` [L + 1] and ``features`` [L, H] (detached; stored on ``device``)."""
+    def add(self, tokens: torch.Tensor, features: torch.Tensor,
+            targets: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Add one sequence: ``tokens`` [L + 1], ``features`` [L, F] and optionally the policy's top-k
+        ``targets`` (ids [L, k], probabilities [L, k]); detached, stored on ``device``."""
         if tokens.dim() != 1 or features.dim() != 2 or tokens.shape[0] != features.shape[0] + 1:
             raise ValueError(
                 f"FeatureBuffer.add needs tokens [L+1] and features [L, H]; got {tuple(tokens.shape)} and "
                 f"{tuple(features.shape)}."
             )
+        if targets is not None and (targets[0].shape != targets[1].shape or targets[0].shape[0] != features.shape[0]):
+            raise ValueError(f"FeatureBuffer.add needs targets ids and probabilities [L, k] for L="
+                             f"{features.shape[0]}; got {tuple(targets[0].shape)} and {tuple(targets[1].shape)}.")
         if features.shape[0] == 0:
             return
         start = max(0, features.shape[0] - self.max_tokens)  # keep the most recent window of each sequence
         device = self.device if self.device is not None else features.device
-        item = BufferedSequence(tokens[start:].detach().to(device), features[start:].detach().to(device))
+
+        def keep(t):
+            return None if t is None else t[start:].detach().to(device)
+
+        ids, probs = targets if targets is not None else (None, None)
+        item = BufferedSequence(keep(tokens), keep(features), keep(ids), keep(probs))
         self._count(item.tokens)
         self.sequences.append(item)
         self.nbytes += item.nbytes

@@ -1,4 +1,4 @@
-"""Configuration of an EAGLE-style drafter, stored as config.json next to its weights."""
+"""Configuration of an EAGLE-1 or EAGLE-3 drafter, stored as config.json next to its weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURES = ("EagleDrafter", "Eagle3Drafter")
 
 
 @dataclass
@@ -31,8 +32,17 @@ class EagleDrafterConfig:
     target_name_or_path: str | None = None
     architecture: str = "EagleDrafter"
     format_version: int = 2
+    # EAGLE-3 only: the policy's layers whose hidden states the drafter fuses (vLLM's numbering: id k is the
+    # residual stream entering decoder layer k, i.e. the output of layer k - 1), and where its layer norms the
+    # fused feature relative to the residual branch.
+    aux_layer_ids: list[int] | None = None
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}: choose one of {ARCHITECTURES}.")
+        if self.architecture == "Eagle3Drafter" and not self.aux_layer_ids:
+            raise ValueError("An Eagle3Drafter config needs aux_layer_ids (the policy layers it reads).")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}] or None."
@@ -70,6 +80,7 @@ class EagleDrafterConfig:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err}); re-save the drafter with save_pretrained.") from err
         architecture = data.get("architecture") if isinstance(data, dict) else None
-        if architecture != "EagleDrafter":
-            raise ValueError(f"{path} is not an EagleDrafter config (architecture={architecture!r}).")
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"{path} is not a drafter config of this package (architecture={architecture!r}, "
+                             f"known: {ARCHITECTURES}).")
         return cls.from_dict(data)

@@ -1,11 +1,13 @@
 """DrafterTrainer: fit the drafter to the policy from the policy's own detached hidden states.
 
-Loss per position t (EAGLE): SmoothL1 between the drafter's predicted feature and the policy's
-h_{t+1}, plus soft cross-entropy of the drafter's token distribution against the policy's
-next-token distribution at t+1. With ``unroll_steps > 1`` the same loss is applied to chained
-steps that read the drafter's own predictions (EAGLE-3's training-time test), so later draft
-positions stay accurate. Only the drafter's own parameters are optimised; the policy runs under
-no_grad and its embedding and head are read, never written.
+Loss per position t, EAGLE-1: SmoothL1 between the drafter's predicted feature and the policy's h_{t+1}, plus
+soft cross-entropy of the drafter's token distribution against the policy's next-token distribution at t+1.
+EAGLE-3 (a drafter that predicts tokens only): the cross-entropy alone, against the policy's top-k law at t+1
+computed once when a sequence enters the buffer (restricted to the draft vocabulary), or against the next token
+itself for rollouts that came without it (the engine's own samples of the policy). With ``unroll_steps > 1`` the
+same loss is applied to chained steps that read the drafter's own predictions (training-time test), so later draft
+positions stay accurate. Only the drafter's own parameters are optimised; the policy runs under no_grad and its
+embedding and head are read, never written.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from ..modeling.features import capture_features
 from ..modeling.target import TargetModel
+from .base import Drafter
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME
-from .eagle import EagleDrafter
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
 PRECISIONS = ("auto", "float32", "bfloat16")
+TARGET_TOP_K = 16  # the policy's most likely next tokens kept per position as a token-only drafter's target
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -69,12 +73,32 @@ def estimated_acceptance_length(agreement_by_step: list[float], chain_length: in
     return total
 
 
+@torch.no_grad()
+def policy_targets(target: TargetModel, final: torch.Tensor, k: int = TARGET_TOP_K,
+                   chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's top-``k`` next-token law from its final hidden states [L, H]: ids (int32) and probabilities
+    (float16), [L, k] each, computed ``chunk`` rows at a time (a full-vocabulary row is large)."""
+    length = final.shape[0]
+    ids = torch.zeros(length, k, dtype=torch.int32, device=final.device)
+    probs = torch.zeros(length, k, dtype=torch.float16, device=final.device)
+    for start in range(0, length, chunk):
+        top = target.logits(final[start : start + chunk]).softmax(-1).topk(k, dim=-1)
+        ids[start : start + chunk] = top.indices.to(torch.int32)
+        probs[start : start + chunk] = top.values.to(torch.float16)
+    return ids, probs
+
+
+def regresses_features(drafter: Drafter) -> bool:
+    """EAGLE-1 drafters also learn the policy's next feature; EAGLE-3 drafters predict tokens only."""
+    return drafter.feature_layers is None
+
+
 class DrafterTrainer:
-    """Trains an :class:`EagleDrafter` on rollouts of its policy, kept in a bounded :class:`FeatureBuffer`."""
+    """Trains a drafter (EAGLE-1 or EAGLE-3) on rollouts of its policy, kept in a bounded :class:`FeatureBuffer`."""
 
     def __init__(
         self,
-        drafter: EagleDrafter,
+        drafter: Drafter,
         model: nn.Module,
         lr: float = 3e-4,
         weight_decay: float = 0.0,
@@ -137,22 +161,31 @@ class DrafterTrainer:
                 lo, hi = int(used[0]), int(used[-1]) + 1
                 ids, m = input_ids[rows, lo:hi], m[:, lo:hi]
                 positions = (m.cumsum(-1) - 1).clamp(min=0)
-                hidden = self.target.decoder(input_ids=ids, attention_mask=m, position_ids=positions,
-                                             use_cache=False).last_hidden_state
+                with capture_features(self.target.decoder, self.drafter.feature_layers) as captured:
+                    self.target.decoder(input_ids=ids, attention_mask=m, position_ids=positions, use_cache=False)
+                hidden, final = captured[-1]
                 for i, row in enumerate(rows.tolist()):
                     keep = m[i].bool()
                     tokens = ids[i][keep]
                     if tokens.numel() >= 2:
-                        features[row - first_row] = (tokens, hidden[i][keep][:-1])
-            for pair in features:
-                if pair is not None:
-                    self.buffer.add(*pair)
+                        features[row - first_row] = (tokens, hidden[i][keep][:-1], final[i][keep])
+            for item in features:
+                if item is not None:
+                    self.add_features(*item)
                     added += 1
         return added
 
-    def add_features(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Add one rollout whose features the engine's verify passes already computed (no extra forward)."""
-        self.buffer.add(tokens, features)
+    def add_features(self, tokens: torch.Tensor, features: torch.Tensor, final: torch.Tensor | None = None) -> None:
+        """Add one rollout whose features a pass that ran anyway computed (no extra forward).
+
+        ``tokens`` [L + 1], ``features`` [L, F]; ``final`` [L + 1, H], the policy's final hidden states of all
+        tokens, lets a token-only (EAGLE-3) drafter learn the policy's whole next-token law instead of the one
+        token that was drawn from it.
+        """
+        targets = None
+        if final is not None and not regresses_features(self.drafter):
+            targets = policy_targets(self.target, final[1:])
+        self.buffer.add(tokens, features, targets)
 
     def rebuild_draft_vocab(self) -> torch.Tensor | None:
         """Draft over the most frequent tokens seen so far (no-op for a full-vocabulary drafter)."""
@@ -170,14 +203,26 @@ class DrafterTrainer:
         hidden = torch.zeros(len(sequences), length, hidden_size, dtype=self.target.dtype, device=device)
         tokens = torch.zeros(len(sequences), length + 1, dtype=torch.long, device=device)
         lengths = torch.tensor([seq.features.shape[0] for seq in sequences], device=device)
+        with_targets = all(seq.target_ids is not None for seq in sequences)
+        targets = None
+        if with_targets:
+            k = sequences[0].target_ids.shape[1]
+            targets = (torch.zeros(len(sequences), length, k, dtype=torch.long, device=device),
+                       torch.zeros(len(sequences), length, k, dtype=torch.float32, device=device))
         for row, seq in enumerate(sequences):
             n = seq.features.shape[0]
             hidden[row, :n] = seq.features.to(device)
             tokens[row, : n + 1] = seq.tokens.to(device)
-        return hidden, tokens, lengths
+            if targets is not None:
+                targets[0][row, :n] = seq.target_ids.to(device)
+                targets[1][row, :n] = seq.target_probs.to(device)
+        return hidden, tokens, lengths, targets
 
-    def _loss(self, hidden, tokens, lengths) -> tuple[torch.Tensor, dict]:
-        """Loss on one micro-batch: features [b, L, H], tokens [b, L + 1], real lengths [b]."""
+    def _loss(self, hidden, tokens, lengths, targets=None) -> tuple[torch.Tensor, dict]:
+        """Loss on one micro-batch: features [b, L, F], tokens [b, L + 1], real lengths [b], and the policy's
+        top-k targets (ids, probabilities [b, L, k]) or None."""
+        if not regresses_features(self.drafter):
+            return self._token_loss(hidden, tokens, lengths, targets)
         drafter = self.drafter
         length = hidden.shape[1]
         idx = torch.arange(length, device=hidden.device)
@@ -205,6 +250,53 @@ class DrafterTrainer:
                 metrics = {"feature_loss": (feature_loss / count).item(), "token_loss": (token_loss / count).item()}
         metrics.update(loss=loss.item(), top1=agreement[0], top1_by_step=agreement)
         return loss, metrics
+
+    def _token_loss(self, hidden, tokens, lengths, targets) -> tuple[torch.Tensor, dict]:
+        """EAGLE-3's loss: cross-entropy of each draft step's law over the draft vocabulary against the policy's
+        (its top-k restricted to the draft vocabulary and renormalised, or the next token itself)."""
+        drafter = self.drafter
+        batch, length = hidden.shape[:2]
+        idx = torch.arange(length, device=hidden.device)
+        valid = idx[None] < lengths[:, None]
+        positions = idx.expand(batch, -1)
+        outputs = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, self.unroll_steps)
+        t2d = self._target_to_draft()
+        if targets is not None:
+            draft_ids = t2d[targets[0]]  # [b, L, k], -1 outside the draft vocabulary
+            probs = targets[1] * (draft_ids >= 0)
+            mass = probs.sum(-1)
+            target_probs = probs / mass.clamp(min=1e-6)[..., None]
+            top1 = draft_ids[..., 0]  # the policy's most likely token (-1: not draftable)
+            scored = valid & (mass > 1e-6)
+        else:  # the token that followed: drawn from the policy by the rollout itself
+            following = torch.cat([tokens[:, 2:], tokens[:, -1:]], dim=1)
+            draft_ids = t2d[following][..., None]
+            target_probs = torch.ones_like(draft_ids, dtype=torch.float32)
+            top1 = draft_ids[..., 0]
+            scored = (idx[None] + 1 < lengths[:, None]) & (top1 >= 0)
+        gather_ids = draft_ids.clamp(min=0)
+        loss, agreement = 0.0, []
+        for step, predicted in enumerate(outputs):
+            weight = (scored & (idx[None] >= step)).to(torch.float32)
+            count = weight.sum().clamp(min=1)
+            logp = drafter.logits(predicted).log_softmax(-1)
+            token_loss = (-(target_probs * logp.gather(-1, gather_ids)).sum(-1) * weight).sum() / count
+            loss = loss + (self.unroll_decay**step) * token_loss
+            with torch.no_grad():
+                agreement.append((((logp.argmax(-1) == top1).float() * weight).sum() / count).item())
+            if step == 0:
+                first_loss = token_loss.item()
+        metrics = {"loss": loss.item(), "feature_loss": 0.0, "token_loss": first_loss, "top1": agreement[0],
+                   "top1_by_step": agreement}
+        return loss, metrics
+
+    def _target_to_draft(self) -> torch.Tensor:
+        """The drafter's policy-id -> draft-id map, rebuilt only when its draft vocabulary changes."""
+        d2t = self.drafter.d2t
+        key = None if d2t is None else (d2t.data_ptr(), d2t._version)
+        if getattr(self, "_t2d", None) is None or self._t2d[0] != key:
+            self._t2d = (key, self.drafter.target_to_draft().to(self.target.device))
+        return self._t2d[1]
 
     def train(
         self,
@@ -241,11 +333,11 @@ class DrafterTrainer:
                 if should_stop is not None and should_stop():
                     break
                 count = min(self.micro_batch_size, len(self.buffer))
-                hidden, tokens, lengths = self._batch(self.buffer.sample(count, self.generator))
+                hidden, tokens, lengths, targets = self._batch(self.buffer.sample(count, self.generator))
                 trained_tokens += int(lengths.sum())
                 with torch.autocast(hidden.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
-                    loss, metrics = self._loss(hidden, tokens, lengths)
+                    loss, metrics = self._loss(hidden, tokens, lengths, targets)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
@@ -344,7 +436,7 @@ class DrafterTrainer:
         if differing:
             raise ValueError(
                 f"The drafter checkpoint at {path} was made for another drafter (fields differ: {differing}); "
-                "resume with the same drafter settings, or load it with EagleDrafter.from_pretrained."
+                "resume with the same drafter settings, or load it with Drafter.from_pretrained."
             )
         try:
             weights = load_file(str(path / WEIGHTS_NAME))

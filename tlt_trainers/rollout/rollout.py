@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowState, WritePlan
 from ..modeling.rows import ActiveRows
 from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
@@ -61,10 +62,14 @@ class Rollout:
         self.stats = GenerationStats(prompt_tokens=int((input_ids.shape[1] - pad).sum()))
         self.timer = StepTimer(self.stats, self.device)
         self.use_drafter = engine.drafter is not None and any(s.uses_drafter for s in strategies)
+        # Layers the drafter's features come from (None: the final hidden state, which the pass returns anyway)
+        wants_features = self.use_drafter or feature_sink is not None
+        self.feature_layers = engine.drafter.feature_layers if engine.drafter is not None and wants_features else None
         self.rows = self._new_rows(input_ids, pad, params)
         self.graphs = None
         graph_mode = self.config.cuda_graphs
-        if graph_mode == "static" or (graph_mode == "auto" and self.device.type == "cuda"):
+        if self.feature_layers is None and (graph_mode == "static" or (graph_mode == "auto"
+                                                                        and self.device.type == "cuda")):
             self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity,
                                       mode="static" if graph_mode == "static" else "cuda")
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
@@ -133,11 +138,11 @@ class Rollout:
             depths = torch.cat([torch.zeros_like(slots[:, :1]), tree.depths], dim=1)
             positions = (length - rows.state.pad)[:, None] + depths
             closure = None if proposal.is_chain and rows.presence is None else tree.ancestors()
-            hidden, logits = self._policy_pass(tokens, positions, slots,
-                                               self._mask_builder(proposal.is_chain, closure, positions, slots))
+            features, logits = self._policy_pass(tokens, positions, slots,
+                                                 self._mask_builder(proposal.is_chain, closure, positions, slots))
             scores = process_logits(logits, self.params, self._presence_in_tree(tree, closure), self.warpers)
             verdict = verify(proposal, scores, self.params.do_sample, self.generator)
-            self._keep_accepted_path(proposal.is_chain, verdict, hidden, slots)
+            self._keep_accepted_path(proposal.is_chain, verdict, features, slots)
             emitted = self._commit(verdict.emitted(tree), verdict.num_accepted, length + 1,
                                    advance=verdict.num_accepted + 1)
         outcome = StepOutcome(emitted, batch * tree.num_nodes, int(verdict.num_accepted.sum()))
@@ -185,9 +190,11 @@ class Rollout:
         return self.timer.now()
 
     def _policy_pass(self, tokens, positions, slots, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and float32 logits of a decode/verify pass; ``mask_for(kv_len)`` builds its mask(s).
+        """The drafter's features and float32 logits of a decode/verify pass; ``mask_for(kv_len)`` builds its
+        mask(s).
 
-        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner.
+        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner (only
+        for drafters that read the final hidden state).
         """
         runner = self.graphs
         if runner is not None and runner.supports(tokens.shape[0]):
@@ -195,13 +202,20 @@ class Rollout:
             masks = {"full": mask} if isinstance(mask, torch.Tensor) else {
                 "full": mask["full_attention"], "sliding": mask["sliding_attention"]}
             return runner(tokens, positions, slots, masks)
-        hidden = self._target_pass(tokens, positions, slots, mask_for)
-        return hidden, self.target.logits(hidden)
+        hidden, features = self._target_pass(tokens, positions, slots, mask_for)
+        return features, self.target.logits(hidden)
 
-    def _target_pass(self, tokens, positions, slots, mask_for) -> torch.Tensor:
+    def _target_pass(self, tokens, positions, slots, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states, the drafter's features) of one policy pass: the same tensor unless the drafter
+        reads other layers (EAGLE-3), which hooks collect from this very pass."""
         kv_len = int(slots.max()) + 1
         self.rows.cache.plan = WritePlan(slots, kv_len)
-        return self.target.forward(tokens, positions, mask_for(kv_len), self.rows.cache)
+        if self.feature_layers is None:
+            hidden = self.target.forward(tokens, positions, mask_for(kv_len), self.rows.cache)
+            return hidden, hidden
+        with capture_features(self.target.decoder, self.feature_layers) as captured:
+            hidden = self.target.forward(tokens, positions, mask_for(kv_len), self.rows.cache)
+        return hidden, captured[-1][0]
 
     def _store_features(self, hidden: torch.Tensor, slots: torch.Tensor) -> None:
         if not (self.use_drafter or self.feature_sink is not None):
@@ -226,10 +240,10 @@ class Rollout:
         with self.timer.phase("prefill"):
             slots = torch.arange(self.prompt_len, device=self.device).expand(rows.size, -1)
             positions = (slots - rows.state.pad[:, None]).clamp(min=0)
-            hidden = self._target_pass(self.input_ids, positions, slots,
-                                       lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
+            hidden, features = self._target_pass(self.input_ids, positions, slots,
+                                                 lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
             rows.state.length = torch.full_like(rows.state.length, self.prompt_len)
-            self._store_features(hidden, slots)
+            self._store_features(features, slots)
             scores = process_logits(self.target.logits(hidden[:, -1]), self.params, rows.presence, self.warpers)
             first = verify(Proposal.nothing(rows.size, self.device), scores[:, None], self.params.do_sample,
                            self.generator).next_token

@@ -1,0 +1,164 @@
+"""Eagle3Drafter: fused low/middle/high features from the passes that run anyway, token-only training with the
+policy's cached top-k law, training-time test that matches chained drafting, and the engine stays exact."""
+
+import pytest
+import torch
+from test_engine_sampling import engine_samples, hf_samples, two_sample_pvalue
+from tiny_models import EOS, PAD, padded_prompts, tiny_model
+
+from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.drafter.eagle3 import default_aux_layers
+from tlt_trainers.modeling.features import capture_features
+from tlt_trainers.modeling.kv_cache import RowKV, RowState, additive_mask, attention_allowed
+
+LAYERS = [1, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", logit_scale=4.0, num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def rollouts(model):
+    ids, mask = padded_prompts([5, 3, 7, 4, 6, 5] * 4, seed=3)
+    seqs = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=PAD,
+                          eos_token_id=None)
+    return seqs, torch.cat([mask, torch.ones(len(ids), 30, dtype=torch.long)], dim=1)
+
+
+@pytest.fixture(scope="module")
+def trained(model):
+    ids, mask = padded_prompts([5] * 32, seed=0)
+    seqs = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=PAD,
+                          eos_token_id=None)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    trainer = DrafterTrainer(drafter, model, lr=3e-3, unroll_steps=2)
+    trainer.add_sequences(seqs, torch.cat([mask, torch.ones(32, 40, dtype=torch.long)], dim=1))
+    trainer.train(max_steps=150)
+    return drafter
+
+
+def test_features_are_the_residual_streams_entering_the_chosen_layers(model):
+    ids = torch.tensor([[3, 7, 9, 4]])
+    reference = model(ids, output_hidden_states=True).hidden_states  # [0]: embeddings, [k]: after layer k - 1
+    with capture_features(model.get_decoder(), tuple(LAYERS)) as captured:
+        model.get_decoder()(input_ids=ids)
+    features, final = captured[0]
+    assert torch.allclose(features, torch.cat([reference[k] for k in LAYERS], dim=-1))
+    assert torch.allclose(final, model.get_decoder()(input_ids=ids).last_hidden_state)
+
+
+def test_default_layers_follow_vllm_and_small_policies_are_refused(model):
+    assert default_aux_layers(30) == [2, 15, 27]
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        Eagle3Drafter.from_target(tiny_model("llama"))  # 2 layers
+
+
+def test_fresh_drafter_starts_from_the_policy_head_and_norm(model):
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS, draft_vocab_size=16)
+    assert drafter.feature_size == 3 * 32 and drafter.feature_layers == tuple(LAYERS)
+    ids = torch.arange(40, 56)
+    drafter.set_draft_vocab(ids)
+    assert torch.equal(drafter.lm_head.weight, model.get_output_embeddings().weight[ids])
+    assert torch.equal(drafter.norm.weight, model.get_decoder().norm.weight)
+    assert drafter.target_to_draft()[45].item() == 5 and drafter.target_to_draft()[3].item() == -1
+
+
+def test_unrolled_steps_compute_what_chained_drafting_computes(model):
+    """Step d of forward_unrolled at position t equals the d-th chained draft step of the engine."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    length, tlen = 12, 6
+    hidden = torch.randn(1, length, 96)
+    tokens = torch.randint(3, 64, (1, length + 1))
+    positions = torch.arange(length)[None]
+    with torch.no_grad():
+        valid = torch.ones(1, length, dtype=torch.bool)
+        unrolled = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, 3)
+        kv, state = RowKV(length), RowState(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        slots = torch.arange(tlen)[None]
+        mask = additive_mask(attention_allowed(state, slots, tlen), torch.float32)
+        feature = drafter(hidden[:, :tlen], tokens[:, 1 : tlen + 1], slots, mask, kv, slots, tlen)[:, -1:]
+        state.length += tlen
+        assert torch.allclose(feature, unrolled[0][:, tlen - 1 : tlen], atol=1e-5)
+        for step in (1, 2):
+            slot = torch.tensor([[tlen + step - 1]])
+            mask = additive_mask(attention_allowed(state, slot, tlen + step), torch.float32)
+            feature = drafter(feature, tokens[:, tlen + step : tlen + step + 1], slot, mask, kv, slot, tlen + step)
+            assert torch.allclose(feature, unrolled[step][:, tlen + step - 1 : tlen + step], atol=1e-5), step
+
+
+def test_training_caches_the_policy_targets_and_learns(model, rollouts):
+    policy = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    trainer = DrafterTrainer(drafter, model, lr=3e-3, unroll_steps=2)
+    trainer.add_sequences(*rollouts)
+    seq = trainer.buffer.sequences[0]
+    assert seq.features.shape[1] == 96 and seq.target_ids.shape == (seq.features.shape[0], 16)
+    # The cached law at t is the policy's at t + 1: its top-1 is the greedy rollout's next-next token (after the
+    # random 5-token prompt of row 0).
+    assert torch.equal(seq.target_ids[3:-1, 0].long(), seq.tokens[5:])
+    before = trainer.evaluate()
+    metrics = trainer.train(max_steps=60)
+    after = trainer.evaluate()
+    assert metrics["steps"] == 60 and len(metrics["top1_by_step"]) == 2 and metrics["feature_loss"] == 0.0
+    assert after["loss"] < before["loss"] and after["top1"] > before["top1"] + 0.2
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in policy.items())
+    assert model.get_output_embeddings().weight.grad is None
+
+
+def test_engine_features_train_on_the_sampled_tokens(model):
+    """Rollouts from the engine's verify passes carry the aux features (no extra forward) and no cached law:
+    the drafter learns the tokens the policy drew."""
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    trainer = DrafterTrainer(drafter, model, lr=3e-3)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=2))
+    ids, mask = padded_prompts([4, 6, 5, 3], seed=5)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, eos_token_id=None,
+                    pad_token_id=PAD, feature_sink=trainer.add_features, generator=torch.Generator().manual_seed(0))
+    assert len(trainer.buffer) == 4
+    seq = trainer.buffer.sequences[0]
+    assert seq.target_ids is None and seq.features.shape[1] == 96
+    with capture_features(model.get_decoder(), tuple(LAYERS)) as captured:
+        model.get_decoder()(input_ids=seq.tokens[None])
+    assert torch.allclose(seq.features, captured[0][0][0, :-1], atol=1e-4)
+    metrics = trainer.train(max_steps=5)
+    assert metrics["steps"] == 5 and metrics["loss"] == metrics["loss"]
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree"])
+def test_greedy_is_identical_to_generate(model, trained, strategy):
+    ids, mask = padded_prompts([3, 9, 5, 1, 7, 2], seed=10)
+    config = (TLTConfig(speculation="always", strategy="tree:4x2:6") if strategy == "tree"
+              else TLTConfig(speculation="always", num_speculative_tokens=4))
+    ours = SpeculativeGenerator(model, trained, config).generate(
+        ids, attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=24)
+    reference = model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+                               max_new_tokens=24)
+    assert torch.equal(ours.sequences, reference)
+    assert 0 < ours.stats.accepted_tokens < ours.stats.draft_tokens
+    assert ours.stats.acceptance_length > 1.2
+
+
+def test_sampling_matches_generate_distribution():
+    model = tiny_model("llama", vocab_size=8, logit_scale=12.0, seed=3, num_hidden_layers=6)
+    torch.manual_seed(11)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    reference = hf_samples(model, seed=1, temperature=0.9)
+    ours, stats = engine_samples(model, drafter, seed=2, temperature=0.9)
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    assert two_sample_pvalue(reference, ours) > 1e-3
+
+
+def test_save_load_round_trip_picks_the_class(model, trained, tmp_path):
+    trained.save_pretrained(tmp_path)
+    loaded = Drafter.from_pretrained(tmp_path, target=model)
+    assert isinstance(loaded, Eagle3Drafter) and loaded.config == trained.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trained.state_dict().values()))
+    with pytest.raises(ValueError, match="is an Eagle3Drafter and EagleDrafter.from_pretrained loads only"):
+        EagleDrafter.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="made for another model"):
+        Drafter.from_pretrained(tmp_path, target=tiny_model("llama", num_hidden_layers=4))

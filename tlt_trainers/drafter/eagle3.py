@@ -1,0 +1,139 @@
+"""Eagle3Drafter: one decoder layer over a fusion of the policy's low, middle and high layers (EAGLE-3).
+
+What differs from EAGLE-1 (:class:`~tlt_trainers.drafter.eagle.EagleDrafter`):
+
+- features: the residual streams entering three of the policy's layers (default ``(2, n // 2, n - 3)`` of n,
+  vLLM's choice), concatenated [3H] and fused by ``fc`` to H; later draft steps read the drafter's own output;
+- the layer sees ``[input_layernorm(embed(x_{t+1})); hidden_norm(feature)]`` (2H) through its q/k/v projections;
+- it predicts tokens only (no regression onto the policy's features), through its own ``norm`` and ``lm_head``
+  over the draft vocabulary, which start as the policy's final norm and head rows.
+
+Module names and the computation follow vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``), so the export
+(:func:`tlt_trainers.drafter.export.export_eagle3`) is a renaming, and what vLLM serves is what was trained here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..modeling.kv_cache import RowKV
+from ..modeling.target import text_config
+from .base import Drafter
+from .config import EagleDrafterConfig
+from .eagle import DrafterAttention, DrafterMLP, RMSNorm, new_drafter, unroll
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 layers of a policy with ``num_layers`` layers: low, middle and high."""
+    layers = [2, num_layers // 2, num_layers - 3]
+    if num_layers < 6:
+        raise ValueError(f"EAGLE-3 reads three distinct layers of the policy (default {layers}), but it has only "
+                         f"{num_layers}; pass aux_layer_ids=[...] or use the EAGLE-1 drafter (EagleDrafter).")
+    return layers
+
+
+class Eagle3Layer(nn.Module):
+    """The drafter's decoder layer (vLLM's ``midlayer``): attention over [embedding; feature], then the MLP."""
+
+    def __init__(self, config: EagleDrafterConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config, input_size=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = DrafterMLP(config)
+        self.norm_before_residual = config.norm_before_residual
+
+    def forward(self, embedded: torch.Tensor, feature: torch.Tensor, attend) -> torch.Tensor:
+        """The layer's output before the final norm (the next draft step's feature); ``attend(x)`` runs the
+        attention on its 2H input."""
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature
+        x = residual + attend(torch.cat([self.input_layernorm(embedded), normed], dim=-1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
+
+    def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
+        super().__init__(config)
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * h, h, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        if target is not None:
+            self.bind(target)
+
+    @classmethod
+    def from_target(cls, model: nn.Module, aux_layer_ids: list[int] | None = None, **overrides) -> Eagle3Drafter:
+        """A fresh drafter for ``model``: norm and head start as the policy's final norm and LM head (rows of the
+        draft vocabulary), the layer as random. ``overrides`` set any EagleDrafterConfig field."""
+        layers = list(aux_layer_ids) if aux_layer_ids else default_aux_layers(text_config(model).num_hidden_layers)
+        drafter = new_drafter(cls, model, {"aux_layer_ids": layers}, overrides)
+        drafter.init_from_policy(model)
+        return drafter
+
+    def init_from_policy(self, model: nn.Module) -> None:
+        """Copy the policy's final norm weight and the LM head rows of the draft vocabulary into the drafter."""
+        with torch.no_grad():
+            norm = getattr(model.get_decoder(), "norm", None)
+            if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == (
+                    self.config.hidden_size,):
+                self.norm.weight.copy_(norm.weight)
+            head = model.get_output_embeddings().weight
+            rows = head if self.d2t is None else head[self.d2t]
+            self.lm_head.weight.copy_(rows)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over ``token_ids``; the head's rows are re-taken from the policy's head for the new tokens."""
+        super().set_draft_vocab(token_ids)
+        if self._target is not None:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.target.head.weight[self.d2t])
+
+    def _check_policy(self, model: nn.Module) -> None:
+        layers = text_config(model).num_hidden_layers
+        bad = [k for k in self.config.aux_layer_ids if not 0 <= k <= layers]
+        if bad:
+            raise ValueError(f"The drafter reads policy layers {self.config.aux_layer_ids} but the policy has "
+                             f"{layers}: this drafter was made for another model.")
+
+    # ----------------------------------------------------------------- what the engine asks
+    @property
+    def feature_size(self) -> int:
+        return self.fc.in_features
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.aux_layer_ids)
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Policy features [.., 3H] -> [.., H]; the drafter's own predictions [.., H] pass through."""
+        return self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
+
+    def forward(self, hidden, next_tokens, positions, mask=None, kv: RowKV | None = None, slots=None, kv_len=None):
+        """Predicted features [B, q, H] (before the final norm) from the policy's fused layers [B, q, 3H] or the
+        drafter's previous predictions [B, q, H], and the tokens [B, q] that followed them."""
+        feature = self.fuse(hidden)
+        embedded = self.embed(next_tokens).to(feature.dtype)
+        if mask is None and kv is None:
+            q = feature.shape[1]
+            mask = torch.full((q, q), torch.finfo(feature.dtype).min, device=feature.device,
+                              dtype=feature.dtype).triu(1)
+        return self.midlayer(embedded, feature, lambda x: self.midlayer.self_attn(x, positions, mask, kv, slots,
+                                                                                  kv_len))
+
+    def forward_unrolled(self, hidden, next_tokens, positions, valid, depth: int) -> list[torch.Tensor]:
+        """Training-time test over ``depth`` chained draft steps (see :func:`tlt_trainers.drafter.eagle.unroll`)."""
+        embedded = self.embed(next_tokens).to(hidden.dtype)
+        return unroll(self.midlayer.self_attn, lambda features, attend: self.midlayer(embedded, features, attend),
+                      self.fuse(hidden), positions, valid, depth)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
+        return F.linear(self.norm(predicted), self.lm_head.weight).to(torch.float32)
