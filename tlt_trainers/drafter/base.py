@@ -216,8 +216,8 @@ class Drafter(nn.Module, ABC):
         config = EagleDrafterConfig.load(directory)
         kind = Drafter._classes[config.architecture]
         if not issubclass(kind, cls):
-            raise ValueError(f"The drafter at {directory} is an {config.architecture} and {cls.__name__}.from_pretrained "
-                             "loads only its own kind: load it with Drafter.from_pretrained.")
+            raise ValueError(f"The drafter at {directory} is an {config.architecture} and {cls.__name__}."
+                             "from_pretrained loads only its own kind: load it with Drafter.from_pretrained.")
         weights = directory / WEIGHTS_NAME
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} is missing; the drafter at {directory} is incomplete.")
