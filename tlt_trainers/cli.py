@@ -11,7 +11,8 @@ from pathlib import Path
 from .settings import DrafterSettings, add_setting_arguments
 
 # The settings of DrafterSettings a standalone warm-up uses (the others are about training during RL).
-WARMUP_SETTINGS = ("draft_vocab_size", "drafter_unroll_steps", "drafter_warmup_lr", "drafter_warmup_seconds")
+WARMUP_SETTINGS = ("drafter_architecture", "draft_vocab_size", "drafter_unroll_steps", "drafter_warmup_lr",
+                   "drafter_warmup_seconds")
 
 
 def _warmup_parser(sub) -> None:
@@ -57,7 +58,8 @@ def warmup_command(args) -> int:
     prompts = _prompts(args, tokenizer, args.num_prompts, args.seed)
     eval_prompts = _prompts(args, tokenizer, args.eval_prompts, args.seed + 10_000) if args.eval_prompts else None
     drafter, report = warmup_drafter(
-        model, tokenizer, prompts, draft_vocab_size=draft_vocab_size(args.draft_vocab_size, vocab),
+        model, tokenizer, prompts, architecture=args.drafter_architecture,
+        draft_vocab_size=draft_vocab_size(args.draft_vocab_size, vocab),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, train_seconds=args.drafter_warmup_seconds,
         unroll_steps=args.drafter_unroll_steps, lr=args.drafter_warmup_lr, eval_prompts=eval_prompts, seed=args.seed)
     out = Path(args.out)

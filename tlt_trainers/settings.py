@@ -30,6 +30,7 @@ from typing import Any
 
 from .config import TLTConfig
 
+DRAFTER_ARCHITECTURES = ("auto", "eagle3", "eagle")
 
 @dataclass
 class DrafterSettings:
@@ -40,6 +41,14 @@ class DrafterSettings:
         metadata={"help": "Drafter to start from: a folder written by EagleDrafter.save_pretrained (or by `tlt "
                   "warmup-drafter`) or a Hub repo id. None creates a fresh drafter sized for the policy, which "
                   "learns from the rollouts."},
+    )
+    drafter_architecture: str = field(
+        default="auto",
+        metadata={"help": "Architecture of a fresh drafter: 'eagle3' (reads a fusion of a low, a middle and a high "
+                  "layer of the policy and predicts tokens with its own head: EAGLE-3), 'eagle' (reads the last "
+                  "hidden state: EAGLE-1), or 'auto': EAGLE-3 where the policy has at least 6 layers and the "
+                  "rollout engine serves it (TLT's own engine; vLLM serves EAGLE-1), else EAGLE-1. A drafter loaded "
+                  "from drafter_name_or_path keeps its own architecture."},
     )
     draft_vocab_size: int | None = field(
         default=None,
@@ -107,6 +116,9 @@ class DrafterSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.drafter_architecture not in DRAFTER_ARCHITECTURES:
+            raise ValueError(f"drafter_architecture={self.drafter_architecture!r}: choose one of "
+                             f"{DRAFTER_ARCHITECTURES}.")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be None (automatic), 0 (the full "
                              "vocabulary) or a positive size.")

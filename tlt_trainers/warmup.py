@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .config import TLTConfig
-from .drafter.eagle import EagleDrafter
+from .drafter.base import Drafter
+from .drafter.setup import drafter_class
 from .drafter.trainer import DrafterTrainer
 from .rollout.generator import SpeculativeGenerator
 
@@ -77,7 +78,7 @@ def _special_tokens(tokenizer, model) -> tuple[int | list[int] | None, int]:
 
 
 @torch.no_grad()
-def measure_acceptance(model, tokenizer, drafter: EagleDrafter, prompts: list[str], max_new_tokens: int = 64,
+def measure_acceptance(model, tokenizer, drafter: Drafter, prompts: list[str], max_new_tokens: int = 64,
                        num_speculative_tokens: int = 4, temperature: float = 0.0, batch_size: int = 4,
                        seed: int = 0) -> dict:
     """Real acceptance length of ``drafter`` on ``prompts`` (speculation always on)."""
@@ -101,7 +102,8 @@ def warmup_drafter(
     tokenizer,
     prompts: list[str],
     *,
-    drafter: EagleDrafter | None = None,
+    drafter: Drafter | None = None,
+    architecture: str = "auto",
     draft_vocab_size: int | None = 4096,
     max_new_tokens: int = 192,
     temperatures: tuple[float, ...] = (1.0, 0.0),
@@ -114,8 +116,10 @@ def warmup_drafter(
     seed: int = 0,
     show_progress: bool = True,
     log=print,
-) -> tuple[EagleDrafter, WarmupReport]:
+) -> tuple[Drafter, WarmupReport]:
     """Sample answers to ``prompts`` from the policy, train a drafter on them, report acceptance before/after.
+
+    Without ``drafter``, a fresh one of ``architecture`` ('auto', 'eagle3', 'eagle': see ``drafter_class``).
 
     The prompts are split evenly across ``temperatures`` (0.0 = greedy). Acceptance is measured greedily
     and at temperature 1.0 on ``eval_prompts`` (none: skipped).
@@ -126,7 +130,7 @@ def warmup_drafter(
     if drafter is None:
         torch.manual_seed(seed)
         size = draft_vocab_size if draft_vocab_size and draft_vocab_size < vocab else None
-        drafter = EagleDrafter.from_target(model, draft_vocab_size=size)
+        drafter = drafter_class(model, architecture).from_target(model, draft_vocab_size=size)
     trainer = DrafterTrainer(drafter, model, lr=lr, unroll_steps=unroll_steps, show_progress=show_progress,
                              seed=seed)
     report = WarmupReport()

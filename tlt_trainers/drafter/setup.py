@@ -7,7 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..modeling.target import text_config
+from .base import Drafter
 from .eagle import EagleDrafter
+from .eagle3 import Eagle3Drafter
 from .trainer import DrafterTrainer
 
 DRAFT_VOCAB_THRESHOLD, DEFAULT_DRAFT_VOCAB = 8192, 4096
@@ -22,12 +25,33 @@ def draft_vocab_size(requested: int | None, vocab: int) -> int | None:
     return size if 0 < size < vocab else None
 
 
+EAGLE3_MIN_LAYERS = 6
+
+
+def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> type[Drafter]:
+    """The class of a fresh drafter: ``architecture`` 'eagle3' / 'eagle', or 'auto' (EAGLE-3 where the policy has at
+    least 6 Llama-style layers and ``engine`` serves it, i.e. TLT's own engine; EAGLE-1 elsewhere)."""
+    if architecture == "eagle":
+        return EagleDrafter
+    if engine == "vllm":
+        if architecture == "eagle3":
+            raise ValueError("drafter_architecture='eagle3' with a vLLM rollout: tlt_trainers serves and reloads "
+                             "EAGLE-1 drafters in vLLM; set drafter_architecture='eagle' (or 'auto').")
+        return EagleDrafter
+    layers = getattr(text_config(policy), "num_hidden_layers", 0) or 0
+    deep = layers >= EAGLE3_MIN_LAYERS and getattr(policy.get_decoder(), "layers", None) is not None
+    if architecture == "eagle3" or deep:
+        return Eagle3Drafter
+    return EagleDrafter
+
+
 def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
-                    drafter: EagleDrafter | None = None) -> tuple[EagleDrafter, DrafterTrainer, bool]:
+                    drafter: Drafter | None = None, engine: str = "tlt") -> tuple[Drafter, DrafterTrainer, bool]:
     """(drafter, its trainer, whether its draft vocabulary is ready) for a rollout engine over ``policy``.
 
     The drafter is ``drafter`` if given, else loaded from ``settings.drafter_name_or_path``, else fresh from the
-    policy, seeded with ``seed`` so that every rank and replica starts from the same one (without touching the
+    policy (``settings.drafter_architecture``, for ``engine`` 'tlt' or 'vllm': see :func:`drafter_class`), seeded
+    with ``seed`` so that every rank and replica starts from the same one (without touching the
     caller's RNG stream). A fresh drafter with a reduced vocabulary is not ready: its vocabulary is picked from
     the most frequent tokens of the first rollouts (``DrafterTrainer.rebuild_draft_vocab``). ``settings`` has
     TLTGRPOConfig's drafter fields (``drafter_lr``, ``drafter_micro_batch_size``, ...); the trainer's data order
@@ -40,10 +64,11 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
         if drafter is not None:
             drafter = drafter.to(device=head.device, dtype=head.dtype).bind(policy)
         elif settings.drafter_name_or_path is not None:
-            drafter = EagleDrafter.from_pretrained(settings.drafter_name_or_path, target=policy)
+            drafter = Drafter.from_pretrained(settings.drafter_name_or_path, target=policy)
         else:
             size = draft_vocab_size(settings.draft_vocab_size, head.shape[0])
-            drafter = EagleDrafter.from_target(policy, draft_vocab_size=size)
+            kind = drafter_class(policy, getattr(settings, "drafter_architecture", "auto"), engine)
+            drafter = kind.from_target(policy, draft_vocab_size=size)
     drafter.eval()
     trainer = DrafterTrainer(drafter, policy, lr=settings.drafter_lr,
                              micro_batch_size=settings.drafter_micro_batch_size,

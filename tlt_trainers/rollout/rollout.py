@@ -37,6 +37,7 @@ class StepOutcome:
     emitted: int  # tokens appended over all rows
     drafted: int  # draft nodes verified over all rows
     accepted: int  # drafts accepted over all rows
+    first_accepted: int = 0  # rows whose first draft was accepted
     expected_emitted: float | None = None  # emitted, with the first draft's 0/1 accept replaced by its probability
 
 
@@ -145,7 +146,8 @@ class Rollout:
             self._keep_accepted_path(proposal.is_chain, verdict, features, slots)
             emitted = self._commit(verdict.emitted(tree), verdict.num_accepted, length + 1,
                                    advance=verdict.num_accepted + 1)
-        outcome = StepOutcome(emitted, batch * tree.num_nodes, int(verdict.num_accepted.sum()))
+        outcome = StepOutcome(emitted, batch * tree.num_nodes, int(verdict.num_accepted.sum()),
+                              int((verdict.num_accepted > 0).sum()) if tree.num_nodes else 0)
         if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
             kept_first = (verdict.num_accepted > 0).to(verdict.first_acceptance.dtype)
             outcome.expected_emitted = emitted + float((verdict.first_acceptance - kept_first).sum())
@@ -345,7 +347,8 @@ class Rollout:
         start = self._now()
         outcome = self.speculative_step(strategy)
         seconds = self._now() - start
-        self.stats.record_step(batch, outcome.emitted, outcome.drafted, outcome.accepted, seconds, strategy.name)
+        self.stats.record_step(batch, outcome.emitted, outcome.drafted, outcome.accepted, seconds, strategy.name,
+                               first_accepted=outcome.first_accepted)
         if self.selector is not None:
             catch_up = self.drafting.catch_up_seconds if self.drafting is not None else 0.0
             self.selector.observe(strategy, batch, outcome.emitted, seconds, outcome.accepted,

@@ -60,6 +60,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     total_seconds: float = 0.0
     peak_cache_bytes: int = 0
+    drafted_rows: int = 0  # row-steps that verified at least one draft
+    first_accepted: int = 0  # of those, the ones whose first draft was accepted
     history_proposed: int = 0  # tokens proposed from rollout history
     history_bytes: int = 0  # memory held by the history index after the call
     buckets: dict[str, BucketStats] = field(default_factory=dict)
@@ -78,8 +80,13 @@ class GenerationStats:
     def draft_acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
+    @property
+    def first_draft_acceptance(self) -> float:
+        """Share of speculating row-steps whose first draft token was accepted."""
+        return self.first_accepted / self.drafted_rows if self.drafted_rows else 0.0
+
     def record_step(self, batch_size: int, emitted: int, drafted: int, accepted: int, seconds: float,
-                    strategy: str = "none") -> None:
+                    strategy: str = "none", first_accepted: int = 0) -> None:
         name = bucket_name(batch_size)
         bucket = self.buckets.setdefault(name, BucketStats())
         chosen = self.strategies.setdefault(name, {})
@@ -97,6 +104,8 @@ class GenerationStats:
         self.row_forwards += batch_size
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
+        self.drafted_rows += batch_size if drafted else 0
+        self.first_accepted += first_accepted
 
     def to_dict(self) -> dict:
         data = asdict(self)

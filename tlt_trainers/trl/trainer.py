@@ -38,7 +38,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from ..drafter.eagle import EagleDrafter
+from ..drafter.base import Drafter
 from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import TRAINER_STATE
 from ..rollout.generator import SpeculativeGenerator
@@ -169,7 +169,7 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "tlt"]
 
-    def __init__(self, model, reward_funcs=None, args=None, *positional, drafter: EagleDrafter | None = None,
+    def __init__(self, model, reward_funcs=None, args=None, *positional, drafter: Drafter | None = None,
                  **kwargs):
         if args is not None:
             _check_args(args)
@@ -180,7 +180,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             self._tlt_start_vllm()
 
     # ------------------------------------------------------------------ setup
-    def _tlt_setup(self, drafter: EagleDrafter | None) -> None:
+    def _tlt_setup(self, drafter: Drafter | None) -> None:
         args = self.args
         _check_args(args)
         self.tlt_settings = resolve_tlt_settings(args)
@@ -221,7 +221,8 @@ class TLTGRPOTrainer(GRPOTrainer):
             return
         # The same fresh drafter on every rank; it drafts over the most frequent tokens of the first rollouts.
         self.drafter, self.drafter_trainer, self._tlt_draft_vocab_ready = rollout_drafter(
-            policy, self.tlt_settings, int(args.seed), self.accelerator.process_index, drafter)
+            policy, self.tlt_settings, int(args.seed), self.accelerator.process_index, drafter,
+            engine="vllm" if self.use_vllm else "tlt")
 
     @property
     def _tlt_trains_at_generation_end(self) -> bool:

@@ -1,0 +1,176 @@
+"""Train the drafter shipped for SmolLM2-135M-Instruct: the policy's own answers, an EAGLE-3 drafter, a model card.
+
+    python scripts/train_shipped_drafter.py sample --prompts 2400      # the policy's answers, with vLLM (plain)
+    python scripts/train_shipped_drafter.py train --minutes 40          # EAGLE-3 on them; writes the shipped folder
+
+Data: the embedded policy's sampled answers (temperatures 0.6, 0.8, 1.0, and greedy) to reasoning-gym questions of
+20 tasks with two instructions ("think step by step", "only the final answer"), plus general chat requests built
+from templates; held-out prompts (other seeds) are for evaluation (benchmarks/bench_drafters.py). The answers are
+sampled once and cached (``TLT_CACHE_DIR``/shipped-drafter/answers.pt); training takes the policy's features and
+top-k next-token law from one no-grad forward per sequence, then trains for a wall-clock budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum", "leg_counting", "fraction_simplification", "gcd", "lcm",
+         "prime_factorization", "letter_counting", "number_sorting", "simple_equations", "word_sorting",
+         "spell_backward", "caesar_cipher", "family_relationships", "time_intervals", "decimal_arithmetic",
+         "count_bits", "calendar_arithmetic", "products"]
+INSTRUCTIONS = [" Think step by step.", " Give only the final answer."]
+CHAT_TEMPLATES = [
+    "Explain {topic} to a ten-year-old.", "Write a short poem about {topic}.", "Give me three tips about {topic}.",
+    "What are the pros and cons of {topic}?", "Summarize the history of {topic} in a paragraph.",
+    "Write a friendly email inviting a colleague to talk about {topic}.", "What is {topic}?",
+    "List five facts about {topic}.", "How do I get started with {topic}?", "Tell me a short story about {topic}.",
+]
+CHAT_TOPICS = [
+    "the moon", "photosynthesis", "learning to cook", "saving money", "the water cycle", "volcanoes", "chess",
+    "recycling", "the internet", "healthy sleep", "gardening", "the solar system", "writing a resume", "bicycles",
+    "rainforests", "public speaking", "the ocean", "music practice", "time management", "friendship", "dinosaurs",
+    "electric cars", "bread baking", "climate", "learning a language", "honeybees", "mountains", "coffee",
+    "video games", "libraries", "running", "the human heart", "painting", "trains", "birds", "meditation",
+]
+TEMPERATURES = (0.6, 0.8, 1.0, 0.0)
+SHIPPED = ROOT / "tlt_trainers" / "shipped" / "smollm2-135m-instruct-eagle3"
+
+
+def training_prompts(tokenizer, count: int, seed: int) -> list[str]:
+    """``count`` chat-formatted prompts: three in four reasoning-gym questions, one in four chat requests."""
+    import reasoning_gym
+
+    from tlt_trainers.warmup import chat_prompt
+
+    rng = random.Random(seed)
+    questions = count * 3 // 4
+    per_task = -(-questions // (len(TASKS) * len(INSTRUCTIONS)))
+    texts = []
+    for t, task in enumerate(TASKS):
+        data = list(reasoning_gym.create_dataset(task, size=per_task * len(INSTRUCTIONS), seed=seed * 100 + t))
+        for i, item in enumerate(data):
+            texts.append(item["question"] + INSTRUCTIONS[i % len(INSTRUCTIONS)])
+    rng.shuffle(texts)
+    texts = texts[:questions]
+    texts += [rng.choice(CHAT_TEMPLATES).format(topic=rng.choice(CHAT_TOPICS)) for _ in range(count - questions)]
+    rng.shuffle(texts)
+    return [chat_prompt(tokenizer, text) for text in texts]
+
+
+def cache_dir() -> Path:
+    from common import cache_root
+
+    path = cache_root() / "shipped-drafter"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sample(args) -> None:
+    from tlt_trainers.vllm import in_process_cpu_environment
+
+    in_process_cpu_environment()
+    from vllm import LLM, SamplingParams
+
+    from tlt_trainers.pretrained import load_smollm2, smollm2_hf_dir
+
+    _, tokenizer = load_smollm2()
+    prompts = training_prompts(tokenizer, args.prompts, seed=args.seed)
+    llm = LLM(str(smollm2_hf_dir()), dtype="float32", enforce_eager=True, max_model_len=1024, seed=args.seed,
+              distributed_executor_backend="uni", max_num_seqs=128)
+    temperatures = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
+    # One engine seed (vLLM's CPU sampler refuses per-request seeds)
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=t) for t in temperatures]
+    sequences, start, answer_tokens = [], time.perf_counter(), 0
+    for out, temperature in zip(llm.generate(prompts, params), temperatures):
+        completion = list(out.outputs[0].token_ids)
+        answer_tokens += len(completion)
+        sequences.append({"tokens": torch.tensor(list(out.prompt_token_ids) + completion, dtype=torch.int32),
+                          "prompt_len": len(out.prompt_token_ids), "temperature": temperature})
+    seconds = time.perf_counter() - start
+    path = cache_dir() / "answers.pt"
+    torch.save({"sequences": sequences, "prompts": args.prompts, "seed": args.seed, "max_tokens": args.max_tokens,
+                "answer_tokens": answer_tokens, "seconds": seconds}, path)
+    print(f"{len(sequences)} answers, {answer_tokens} answer tokens in {seconds:.0f}s -> {path}")
+
+
+def train(args) -> None:
+    from tlt_trainers import DrafterTrainer, Eagle3Drafter
+    from tlt_trainers.drafter.buffer import FeatureBuffer
+    from tlt_trainers.pretrained import load_smollm2
+
+    model, _ = load_smollm2()
+    data = torch.load(cache_dir() / "answers.pt")
+    sequences = data["sequences"]
+    torch.manual_seed(args.seed)
+    drafter = Eagle3Drafter.from_target(model, draft_vocab_size=args.draft_vocab)
+    trainer = DrafterTrainer(drafter, model, lr=args.lr, unroll_steps=args.unroll_steps,
+                             micro_batch_size=args.micro_batch_size, buffer_bytes=64 << 30,
+                             max_tokens_per_sequence=1024, show_progress=False, seed=args.seed)
+    counts = FeatureBuffer(1 << 20)
+    for seq in sequences:
+        counts._count(seq["tokens"].long())
+    drafter.set_draft_vocab(counts.most_frequent(drafter.draft_vocab_size, drafter.config.vocab_size))
+    start = time.perf_counter()
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["tokens"]))
+    for first in range(0, len(order), 64):
+        rows = [sequences[i]["tokens"].long() for i in order[first : first + 64]]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(rows):
+            ids[j, : len(r)], mask[j, : len(r)] = r, 1
+        trainer.add_sequences(ids, mask)
+        print(f"features {first + len(rows)}/{len(order)} sequences, {time.perf_counter() - start:.0f}s", flush=True)
+    feature_seconds = time.perf_counter() - start
+    history, trained, tokens = [], 0.0, 0
+    while trained < args.minutes * 60:
+        metrics = trainer.train(max_seconds=min(args.report_every, args.minutes * 60 - trained))
+        trained += metrics["seconds"]
+        tokens += metrics["tokens"]
+        history.append({k: metrics[k] for k in ("steps", "tokens", "seconds", "loss", "top1", "top1_by_step")})
+        print(f"{trained / 60:.1f} min, step {trainer.step}: loss {metrics['loss']:.3f} top-1 by step "
+              f"{[round(a, 3) for a in metrics['top1_by_step']]} ({metrics['tokens'] / metrics['seconds']:.0f} "
+              "tokens/s)", flush=True)
+        drafter.save_pretrained(args.out)
+    info = {"answers": len(sequences), "answer_tokens": data["answer_tokens"], "temperatures": list(TEMPERATURES),
+            "feature_seconds": feature_seconds, "train_seconds": trained, "steps": trainer.step,
+            "tokens_trained": tokens, "lr": args.lr, "unroll_steps": args.unroll_steps,
+            "micro_batch_size": args.micro_batch_size, "history": history,
+            "command": "python scripts/train_shipped_drafter.py sample --prompts {} && python scripts/"
+                       "train_shipped_drafter.py train --minutes {}".format(data["prompts"], args.minutes)}
+    Path(args.out, "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"saved {args.out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("sample", help="sample the policy's answers with vLLM and cache them")
+    p.add_argument("--prompts", type=int, default=2400)
+    p.add_argument("--max-tokens", type=int, default=384)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("train", help="train the EAGLE-3 drafter on the cached answers")
+    p.add_argument("--minutes", type=float, default=40.0)
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--unroll-steps", type=int, default=3)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--report-every", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(SHIPPED))
+    args = parser.parse_args()
+    sample(args) if args.command == "sample" else train(args)
+
+
+if __name__ == "__main__":
+    main()

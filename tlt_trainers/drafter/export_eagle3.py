@@ -1,0 +1,123 @@
+"""Export an :class:`~tlt_trainers.drafter.eagle3.Eagle3Drafter` where vLLM and SGLang load EAGLE-3 drafters.
+
+Both engines run the same EAGLE-3 layer as ours (``midlayer``: q/k/v over ``[input_layernorm(embed);
+hidden_norm(feature)]``, residual from the un-normed feature, then ``norm`` and an own ``lm_head`` over the draft
+vocabulary), take the embedding from the target, and store the draft-to-target map as offsets
+(``d2t[i] = target_id - i``) plus a boolean ``t2d`` over the target vocabulary. What differs:
+
+- vLLM (:func:`export_eagle3_vllm`): the ``speculators`` layout (``speculators_model_type="eagle3"``,
+  ``transformer_layer_config``, ``speculators_config`` with the verifier and the number of speculative tokens,
+  ``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering, which is ours). Serve with
+  ``LLM(policy, speculative_config={"model": out_dir, "num_speculative_tokens": k})`` (vLLM reads the method from
+  the config) or ``{"method": "eagle3", ...}``.
+- SGLang (:func:`export_eagle3_sglang`): the EAGLE-3 reference layout, a Llama config with
+  ``architectures=["LlamaForCausalLMEagle3"]`` and ``draft_vocab_size``. SGLang numbers aux layers by the layer whose
+  output is taken (it captures ``id + 1``), so ``eagle_config.eagle_aux_hidden_state_layer_ids`` holds ours minus
+  one. Serve with ``--speculative-algorithm EAGLE3 --speculative-draft-model-path out_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .eagle3 import Eagle3Drafter
+from .export import _dtype_name, _embed_scale, _llama_config, _max_positions, _name_or_path, _write
+
+
+def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The drafter's tensors by the names both engines read (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``
+    as offsets, ``t2d``), on CPU in ``dtype`` (default: the drafter's)."""
+    if _embed_scale(drafter.target.embed) is not None:
+        raise ValueError("The policy scales its embedding (Gemma); vLLM and SGLang hand an EAGLE-3 drafter the "
+                         "unscaled embedding, and input_layernorm does not undo a scale exactly. Not exportable.")
+    dtype = dtype or drafter.fc.weight.dtype
+    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
+               for name, t in drafter.state_dict().items() if name != "d2t"}
+    vocab, size = drafter.config.vocab_size, drafter.draft_vocab_size
+    d2t = drafter.d2t.cpu() if drafter.d2t is not None else torch.arange(vocab)
+    tensors["d2t"] = (d2t - torch.arange(size)).contiguous()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[d2t] = True
+    tensors["t2d"] = t2d
+    return tensors
+
+
+def _layer_config(drafter: Eagle3Drafter, architectures: list[str], verifier, max_positions: int | None,
+                  dtype: torch.dtype) -> dict:
+    config = _llama_config(drafter, architectures, _max_positions(verifier, max_positions), dtype)
+    config["draft_vocab_size"] = drafter.draft_vocab_size
+    return config
+
+
+def export_eagle3_vllm(
+    drafter: Eagle3Drafter,
+    out_dir: str | os.PathLike,
+    verifier_name_or_path: str | nn.Module | None = None,
+    *,
+    num_speculative_tokens: int = 3,
+    max_position_embeddings: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``drafter`` in the speculators EAGLE-3 layout vLLM loads (``Eagle3LlamaForCausalLM``).
+
+    ``verifier_name_or_path``: the policy's Hub id or path (default: the drafter's ``target_name_or_path``), or the
+    policy module (its config gives the name, architectures and ``max_position_embeddings``). Returns the folder.
+    """
+    c = drafter.config
+    dtype = dtype or drafter.fc.weight.dtype
+    name = _name_or_path(verifier_name_or_path) or c.target_name_or_path
+    if not name:
+        raise ValueError("The speculators layout names its verifier: pass verifier_name_or_path (the policy's path).")
+    architectures = []
+    if isinstance(verifier_name_or_path, nn.Module):
+        architectures = list(getattr(verifier_name_or_path.config, "architectures", None) or [])
+    layer = _layer_config(drafter, ["LlamaForCausalLM"], verifier_name_or_path, max_position_embeddings, dtype)
+    layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "draft_vocab_size")}
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": drafter.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": name, "architectures": architectures},
+        },
+        "torch_dtype": _dtype_name(dtype),
+    }
+    out = Path(out_dir)
+    _write(out, config, eagle3_weights(drafter, dtype), "speculators eagle3")
+    return out
+
+
+def export_eagle3_sglang(
+    drafter: Eagle3Drafter,
+    out_dir: str | os.PathLike,
+    target_model: str | nn.Module | None = None,
+    *,
+    max_position_embeddings: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``drafter`` in the EAGLE-3 reference layout SGLang loads (``LlamaForCausalLMEagle3``)."""
+    c = drafter.config
+    if c.norm_before_residual:
+        raise ValueError("SGLang's EAGLE-3 layer keeps the un-normed feature as its residual; this drafter was "
+                         "trained with norm_before_residual=True. Serve it with vLLM (export_eagle3_vllm).")
+    dtype = dtype or drafter.fc.weight.dtype
+    config = _layer_config(drafter, ["LlamaForCausalLMEagle3"], target_model, max_position_embeddings, dtype)
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in c.aux_layer_ids],
+                              "use_aux_hidden_state": True}
+    if c.target_name_or_path:
+        config["target_model"] = c.target_name_or_path
+    out = Path(out_dir)
+    _write(out, config, eagle3_weights(drafter, dtype), "sglang eagle3")
+    return out
