@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -24,47 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-TASKS = ["gsm_symbolic", "basic_arithmetic", "chain_sum", "leg_counting", "fraction_simplification", "gcd", "lcm",
-         "prime_factorization", "letter_counting", "number_sorting", "simple_equations", "word_sorting",
-         "spell_backward", "caesar_cipher", "family_relationships", "time_intervals", "decimal_arithmetic",
-         "count_bits", "calendar_arithmetic", "products"]
-INSTRUCTIONS = [" Think step by step.", " Give only the final answer."]
-CHAT_TEMPLATES = [
-    "Explain {topic} to a ten-year-old.", "Write a short poem about {topic}.", "Give me three tips about {topic}.",
-    "What are the pros and cons of {topic}?", "Summarize the history of {topic} in a paragraph.",
-    "Write a friendly email inviting a colleague to talk about {topic}.", "What is {topic}?",
-    "List five facts about {topic}.", "How do I get started with {topic}?", "Tell me a short story about {topic}.",
-]
-CHAT_TOPICS = [
-    "the moon", "photosynthesis", "learning to cook", "saving money", "the water cycle", "volcanoes", "chess",
-    "recycling", "the internet", "healthy sleep", "gardening", "the solar system", "writing a resume", "bicycles",
-    "rainforests", "public speaking", "the ocean", "music practice", "time management", "friendship", "dinosaurs",
-    "electric cars", "bread baking", "climate", "learning a language", "honeybees", "mountains", "coffee",
-    "video games", "libraries", "running", "the human heart", "painting", "trains", "birds", "meditation",
-]
-TEMPERATURES = (0.6, 0.8, 1.0, 0.0)
 SHIPPED = ROOT / "tlt_trainers" / "shipped" / "smollm2-135m-instruct-eagle3"
-
-
-def training_prompts(tokenizer, count: int, seed: int) -> list[str]:
-    """``count`` chat-formatted prompts: three in four reasoning-gym questions, one in four chat requests."""
-    import reasoning_gym
-
-    from tlt_trainers.warmup import chat_prompt
-
-    rng = random.Random(seed)
-    questions = count * 3 // 4
-    per_task = -(-questions // (len(TASKS) * len(INSTRUCTIONS)))
-    texts = []
-    for t, task in enumerate(TASKS):
-        data = list(reasoning_gym.create_dataset(task, size=per_task * len(INSTRUCTIONS), seed=seed * 100 + t))
-        for i, item in enumerate(data):
-            texts.append(item["question"] + INSTRUCTIONS[i % len(INSTRUCTIONS)])
-    rng.shuffle(texts)
-    texts = texts[:questions]
-    texts += [rng.choice(CHAT_TEMPLATES).format(topic=rng.choice(CHAT_TOPICS)) for _ in range(count - questions)]
-    rng.shuffle(texts)
-    return [chat_prompt(tokenizer, text) for text in texts]
 
 
 def cache_dir() -> Path:
@@ -82,9 +41,10 @@ def sample(args) -> None:
     from vllm import LLM, SamplingParams
 
     from tlt_trainers.pretrained import load_smollm2, smollm2_hf_dir
+    from tlt_trainers.shipped.prompts import TEMPERATURES, prompt_mix
 
     _, tokenizer = load_smollm2()
-    prompts = training_prompts(tokenizer, args.prompts, seed=args.seed)
+    prompts = prompt_mix(tokenizer, args.prompts, seed=args.seed)
     llm = LLM(str(smollm2_hf_dir()), dtype="float32", enforce_eager=True, max_model_len=1024, seed=args.seed,
               distributed_executor_backend="uni", max_num_seqs=128)
     temperatures = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
@@ -107,6 +67,7 @@ def train(args) -> None:
     from tlt_trainers import DrafterTrainer, Eagle3Drafter
     from tlt_trainers.drafter.buffer import FeatureBuffer
     from tlt_trainers.pretrained import load_smollm2
+    from tlt_trainers.shipped.prompts import TEMPERATURES
 
     model, _ = load_smollm2()
     data = torch.load(cache_dir() / "answers.pt")

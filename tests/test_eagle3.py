@@ -52,6 +52,7 @@ def test_features_are_the_residual_streams_entering_the_chosen_layers(model):
 
 def test_default_layers_follow_vllm_and_small_policies_are_refused(model):
     assert default_aux_layers(30) == [2, 15, 27]
+    assert default_aux_layers(6) == [1, 3, 5]  # vLLM's (2, 3, 3) repeats a layer
     with pytest.raises(ValueError, match="aux_layer_ids"):
         Eagle3Drafter.from_target(tiny_model("llama"))  # 2 layers
 

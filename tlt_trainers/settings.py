@@ -38,9 +38,10 @@ class DrafterSettings:
 
     drafter_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Drafter to start from: a folder written by EagleDrafter.save_pretrained (or by `tlt "
-                  "warmup-drafter`) or a Hub repo id. None creates a fresh drafter sized for the policy, which "
-                  "learns from the rollouts."},
+        metadata={"help": "Drafter to start from: a folder written by save_pretrained (or by `tlt warmup-drafter`) "
+                  "or a Hub repo id. None: the drafter shipped with tlt-trainers for this policy where there is one "
+                  "(SmolLM2-135M-Instruct, however it was loaded; TLT's own engine), else a fresh drafter sized for "
+                  "the policy, which learns from the rollouts. 'fresh': always a fresh drafter."},
     )
     drafter_architecture: str = field(
         default="auto",

@@ -26,12 +26,13 @@ from .eagle import DrafterAttention, DrafterMLP, RMSNorm, new_drafter, unroll
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's default EAGLE-3 layers of a policy with ``num_layers`` layers: low, middle and high."""
+    """The EAGLE-3 layers of a policy with ``num_layers`` layers: low, middle and high. vLLM's default
+    ``(2, n // 2, n - 3)`` where those are distinct, else ``(1, n // 2, n - 1)`` (exports name them explicitly)."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 reads three distinct layers of the policy, but it has only {num_layers}; pass "
+                         "aux_layer_ids=[...] or use the EAGLE-1 drafter (EagleDrafter).")
     layers = [2, num_layers // 2, num_layers - 3]
-    if num_layers < 6:
-        raise ValueError(f"EAGLE-3 reads three distinct layers of the policy (default {layers}), but it has only "
-                         f"{num_layers}; pass aux_layer_ids=[...] or use the EAGLE-1 drafter (EagleDrafter).")
-    return layers
+    return layers if len(set(layers)) == 3 and layers == sorted(layers) else [1, num_layers // 2, num_layers - 1]
 
 
 class Eagle3Layer(nn.Module):

@@ -45,26 +45,43 @@ def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> 
     return EagleDrafter
 
 
+def starting_drafter(policy: nn.Module, settings: Any, engine: str = "tlt") -> str | None:
+    """Where the rollout's drafter is loaded from: ``settings.drafter_name_or_path``, else the drafter shipped for
+    ``policy`` (TLT's own engine; vLLM rollouts serve EAGLE-1), else None (a fresh one). 'fresh' forces None."""
+    name = settings.drafter_name_or_path
+    if name == "fresh":
+        return None
+    if name is not None:
+        return name
+    if engine != "tlt" or getattr(settings, "drafter_architecture", "auto") == "eagle":
+        return None
+    from ..shipped import shipped_drafter_for
+
+    shipped = shipped_drafter_for(policy)
+    return None if shipped is None else str(shipped)
+
+
 def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
                     drafter: Drafter | None = None, engine: str = "tlt") -> tuple[Drafter, DrafterTrainer, bool]:
     """(drafter, its trainer, whether its draft vocabulary is ready) for a rollout engine over ``policy``.
 
-    The drafter is ``drafter`` if given, else loaded from ``settings.drafter_name_or_path``, else fresh from the
-    policy (``settings.drafter_architecture``, for ``engine`` 'tlt' or 'vllm': see :func:`drafter_class`), seeded
-    with ``seed`` so that every rank and replica starts from the same one (without touching the
-    caller's RNG stream). A fresh drafter with a reduced vocabulary is not ready: its vocabulary is picked from
-    the most frequent tokens of the first rollouts (``DrafterTrainer.rebuild_draft_vocab``). ``settings`` has
-    TLTGRPOConfig's drafter fields (``drafter_lr``, ``drafter_micro_batch_size``, ...); the trainer's data order
-    is seeded with ``seed + rank``.
+    The drafter is ``drafter`` if given, else loaded from :func:`starting_drafter` (``drafter_name_or_path`` or the
+    drafter shipped for this policy), else fresh from the policy (``settings.drafter_architecture`` for ``engine``
+    'tlt' or 'vllm': see :func:`drafter_class`), seeded with ``seed`` so that every rank and replica starts from the
+    same one (without touching the caller's RNG stream). A fresh drafter with a reduced vocabulary is not ready: its
+    vocabulary is picked from the most frequent tokens of the first rollouts
+    (``DrafterTrainer.rebuild_draft_vocab``). ``settings`` has TLTGRPOConfig's drafter fields (``drafter_lr``,
+    ``drafter_micro_batch_size``, ...); the trainer's data order is seeded with ``seed + rank``.
     """
     head = policy.get_output_embeddings().weight
-    fresh = drafter is None and settings.drafter_name_or_path is None
+    source = starting_drafter(policy, settings, engine) if drafter is None else None
+    fresh = drafter is None and source is None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if drafter is not None:
             drafter = drafter.to(device=head.device, dtype=head.dtype).bind(policy)
-        elif settings.drafter_name_or_path is not None:
-            drafter = Drafter.from_pretrained(settings.drafter_name_or_path, target=policy)
+        elif source is not None:
+            drafter = Drafter.from_pretrained(source, target=policy)
         else:
             size = draft_vocab_size(settings.draft_vocab_size, head.shape[0])
             kind = drafter_class(policy, getattr(settings, "drafter_architecture", "auto"), engine)

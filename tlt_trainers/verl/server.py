@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..drafter.eagle import EagleDrafter
+from ..drafter.base import Drafter
 from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import DrafterTrainer
 from ..rollout.generator import SpeculativeGenerator
@@ -102,7 +102,7 @@ class TLTRolloutServer:
         self._reset_counters()
         self.steps_since_sync = 0
 
-    def _make_drafter(self) -> tuple[EagleDrafter | None, DrafterTrainer | None]:
+    def _make_drafter(self) -> tuple[Drafter | None, DrafterTrainer | None]:
         if self.settings.speculation == "never":
             return None, None
         drafter, trainer, self._draft_vocab_ready = rollout_drafter(self.model, self.settings, self.settings.seed,
@@ -271,7 +271,7 @@ class TLTRolloutServer:
         if self.drafter is None:
             return False
         async with self._lock:
-            loaded = EagleDrafter.from_pretrained(directory, target=self.model)
+            loaded = Drafter.from_pretrained(directory, target=self.model)
             self.drafter.load_state_dict(loaded.state_dict())
             self.trainer.load_checkpoint(directory)
             self._draft_vocab_ready = True

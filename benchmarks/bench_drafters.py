@@ -1,0 +1,196 @@
+"""EAGLE-1 vs EAGLE-3 drafters for SmolLM2-135M-Instruct: fresh, after a 10-CPU-minute warm-up, and the shipped one.
+
+    python benchmarks/bench_drafters.py                   # needs the cached answers of scripts/train_shipped_drafter.py
+
+On held-out prompts (other reasoning-gym seeds, other chat topics than training), greedy and at temperature 1.0,
+batch 1 and 4, TLT's engine with a 4-token chain every step (``speculation="always"``): acceptance length (tokens
+per policy forward), first-draft acceptance, and speculative/plain tokens per second, plain decoding measured in the
+same loop (engines alternate in order between repetitions).
+
+The warm-ups train from scratch on the policy's cached answers (the shipped drafter's data) for ``--warmup-minutes``
+of one CPU core each (``torch.set_num_threads(1)``, the two architectures side by side in two processes), after one
+feature pass over ``--warmup-answers`` answers; they are cached under ``TLT_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import cache_root, machine, write_results
+
+from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.drafter.buffer import FeatureBuffer
+from tlt_trainers.pretrained import load_smollm2
+from tlt_trainers.shipped import shipped_drafter_for
+from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix
+
+ANSWERS = "shipped-drafter/answers.pt"
+KINDS = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts per setting (batch 4: 2x as many)")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step (a chain)")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--warmup-minutes", type=float, default=10.0)
+    p.add_argument("--warmup-answers", type=int, default=400)
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--out", default="bench_drafters")
+    return p.parse_args()
+
+
+def answers() -> list[dict]:
+    path = cache_root() / ANSWERS
+    if not path.is_file():
+        raise SystemExit(f"No cached answers at {path}: run `python scripts/train_shipped_drafter.py sample` first.")
+    return torch.load(path)["sequences"]
+
+
+def draft_vocab(model, sequences, size: int) -> torch.Tensor:
+    counts = FeatureBuffer(1 << 20)
+    for seq in sequences:
+        counts._count(seq["tokens"].long())
+    return counts.most_frequent(size, model.get_output_embeddings().weight.shape[0])
+
+
+def fresh(kind: str, model, vocab: torch.Tensor) -> Drafter:
+    torch.manual_seed(0)
+    drafter = KINDS[kind].from_target(model, draft_vocab_size=len(vocab))
+    drafter.set_draft_vocab(vocab)
+    return drafter
+
+
+def warm_up(kind: str, minutes: float, count: int, size: int, out: str) -> None:
+    """One warm-up from scratch on one CPU core (run in its own process)."""
+    torch.set_num_threads(1)
+    model, _ = load_smollm2()
+    sequences = answers()[:count]
+    drafter = fresh(kind, model, draft_vocab(model, sequences, size))
+    trainer = DrafterTrainer(drafter, model, lr=1e-3, unroll_steps=3, buffer_bytes=16 << 30, seed=0)
+    start = time.perf_counter()
+    for first in range(0, len(sequences), 32):
+        rows = [s["tokens"].long() for s in sequences[first : first + 32]]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(rows):
+            ids[j, : len(r)], mask[j, : len(r)] = r, 1
+        trainer.add_sequences(ids, mask)
+    feature_seconds = time.perf_counter() - start
+    metrics = trainer.train(max_seconds=minutes * 60)
+    drafter.save_pretrained(out)
+    info = {"feature_seconds": feature_seconds, "answers": len(sequences),
+            **{k: metrics[k] for k in ("steps", "tokens", "seconds", "loss", "top1", "top1_by_step")}}
+    Path(out, "warmup.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def warmed(kinds: list[str], args) -> dict[str, Path]:
+    folders = {k: cache_root() / "drafters" / f"bench-drafters-{k}-{args.warmup_minutes:g}min-{args.warmup_answers}"
+               for k in kinds}
+    todo = [k for k, f in folders.items() if not (f / "warmup.json").is_file()]
+    if todo:
+        print(f"warming up {todo} for {args.warmup_minutes:g} minutes on one core each")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=warm_up, args=(k, args.warmup_minutes, args.warmup_answers, args.draft_vocab,
+                                                   str(folders[k]))) for k in todo]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise SystemExit(f"a warm-up failed (exit {p.exitcode})")
+    return folders
+
+
+def run(engine: SpeculativeGenerator, tok, prompts: list[str], batch: int, temperature: float, args) -> dict:
+    generated = forwards = emitted = drafted_rows = first = 0
+    seconds = 0.0
+    for start in range(0, len(prompts), batch):
+        enc = tok(prompts[start : start + batch], return_tensors="pt", padding=True, padding_side="left")
+        result = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=args.new_tokens,
+                                 do_sample=temperature > 0, temperature=temperature or 1.0,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                 generator=torch.Generator().manual_seed(start))
+        s = result.stats
+        generated += s.generated_tokens
+        seconds += s.total_seconds
+        forwards += s.row_forwards
+        emitted += s.generated_tokens_in_steps
+        drafted_rows += s.drafted_rows
+        first += s.first_accepted
+    return {"tokens_per_second": generated / seconds, "generated_tokens": generated, "seconds": seconds,
+            "acceptance_length": emitted / forwards if forwards else float("nan"),
+            "first_draft_acceptance": first / drafted_rows if drafted_rows else float("nan")}
+
+
+def main() -> None:
+    args = parse_args()
+    model, tok = load_smollm2()
+    sequences = answers()
+    vocab = draft_vocab(model, sequences[: args.warmup_answers], args.draft_vocab)
+    folders = warmed(list(KINDS), args)
+    drafters: dict[str, tuple[Drafter, str]] = {
+        "eagle1 fresh": (fresh("eagle", model, vocab), "EagleDrafter.from_target, draft vocabulary from the answers"),
+        "eagle3 fresh": (fresh("eagle3", model, vocab), "Eagle3Drafter.from_target, draft vocabulary from the answers"),
+    }
+    for kind, folder in folders.items():
+        name = f"{'eagle1' if kind == 'eagle' else 'eagle3'} {args.warmup_minutes:g}-min"
+        drafters[name] = (Drafter.from_pretrained(folder, target=model), str(folder))
+    shipped = shipped_drafter_for(model)
+    if shipped is not None:
+        drafters["eagle3 shipped"] = (Drafter.from_pretrained(shipped, target=model), str(shipped))
+    config = TLTConfig(speculation="always", num_speculative_tokens=args.k)
+    engines = {"plain": SpeculativeGenerator(model, None, TLTConfig(speculation="never"))}
+    engines |= {name: SpeculativeGenerator(model, d, config) for name, (d, _) in drafters.items()}
+    prompts = prompt_mix(tok, 2 * args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
+
+    raw: dict[str, list[dict]] = {}
+    names = list(engines)
+    with torch.no_grad():
+        for rep in range(args.reps):
+            for temperature in (0.0, 1.0):
+                for batch in (1, 4):
+                    chosen = prompts[: args.prompts] if batch == 1 else prompts
+                    order = names[rep % len(names):] + names[: rep % len(names)]
+                    for name in order:
+                        key = f"{name}|t{temperature:g}|b{batch}"
+                        raw.setdefault(key, []).append(run(engines[name], tok, chosen, batch, temperature, args))
+                        print(key, {k: round(v, 3) for k, v in raw[key][-1].items()}, flush=True)
+
+    rows = []
+    for name in names[1:]:
+        for temperature in (0.0, 1.0):
+            for batch in (1, 4):
+                runs = raw[f"{name}|t{temperature:g}|b{batch}"]
+                plain = raw[f"plain|t{temperature:g}|b{batch}"]
+                ratios = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs, plain)]
+                rows.append({
+                    "drafter": name, "temperature": temperature, "batch": batch,
+                    "acceptance_length": statistics.mean(r["acceptance_length"] for r in runs),
+                    "first_draft_acceptance": statistics.mean(r["first_draft_acceptance"] for r in runs),
+                    "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
+                })
+    header = "| drafter | T | batch | acceptance length | first-draft acceptance | spec/plain tokens/s (range) |"
+    lines = [header, "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | {r['acceptance_length']:.2f} | "
+                     f"{r['first_draft_acceptance']:.2f} | {r['speedup']:.2f} ({r['speedup_min']:.2f}-"
+                     f"{r['speedup_max']:.2f}) |")
+    print("\n".join(lines))
+    warmups = {k: json.loads((f / "warmup.json").read_text()) for k, f in folders.items()}
+    write_results(args.out, {
+        "command": "python benchmarks/bench_drafters.py", "machine": machine(), "args": vars(args),
+        "drafters": {name: source for name, (_, source) in drafters.items()}, "warmups": warmups,
+        "rows": rows, "raw": raw, "table": lines,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Shipped drafters: a policy is matched by what it is (shapes and embedding checksum), not by its name, and the
+trainers start from the match unless told otherwise."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+import tlt_trainers.shipped as shipped
+from tlt_trainers import Eagle3Drafter, EagleDrafter
+from tlt_trainers.drafter.setup import rollout_drafter
+from tlt_trainers.settings import DrafterSettings
+
+
+@pytest.fixture
+def shelf(tmp_path, monkeypatch):
+    """A shipped-drafters folder holding one EAGLE-3 drafter made for a tiny 6-layer policy."""
+    policy = tiny_model("llama", num_hidden_layers=6, seed=4)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(policy, aux_layer_ids=[1, 3, 5])
+    folder = tmp_path / "tiny-eagle3"
+    drafter.save_pretrained(folder)
+    (folder / shipped.FINGERPRINT).write_text(json.dumps(shipped.policy_fingerprint(policy)))
+    monkeypatch.setattr(shipped, "HERE", tmp_path)
+    return policy, drafter, folder
+
+
+def test_the_policy_is_recognised_however_it_was_loaded(shelf):
+    policy, _, folder = shelf
+    assert shipped.shipped_drafter_for(policy) == folder
+    assert shipped.shipped_drafter_for(policy.to(torch.bfloat16)) == folder  # rounding stays within the tolerance
+    policy.to(torch.float32)
+    assert shipped.shipped_drafter_for(tiny_model("llama", num_hidden_layers=6, seed=5)) is None  # other weights
+    assert shipped.shipped_drafter_for(tiny_model("llama", seed=4)) is None  # other shapes
+
+
+def test_trainers_start_from_the_shipped_drafter_unless_told_otherwise(shelf):
+    policy, drafter, _ = shelf
+    loaded, _, ready = rollout_drafter(policy, DrafterSettings(), seed=0)
+    assert isinstance(loaded, Eagle3Drafter) and ready
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+    fresh, _, _ = rollout_drafter(policy, DrafterSettings(drafter_name_or_path="fresh"), seed=1)
+    assert not torch.equal(fresh.fc.weight, drafter.fc.weight)
+    served_by_vllm, _, _ = rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm")
+    assert isinstance(served_by_vllm, EagleDrafter)
+    eagle1, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle"), seed=0)
+    assert isinstance(eagle1, EagleDrafter)
