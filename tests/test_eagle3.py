@@ -8,6 +8,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.eagle3 import default_aux_layers
+from tlt_trainers.drafter.losses import chunked_soft_cross_entropy
 from tlt_trainers.modeling.features import capture_features
 from tlt_trainers.modeling.kv_cache import RowKV, RowState, additive_mask, attention_allowed
 
@@ -163,3 +164,33 @@ def test_save_load_round_trip_picks_the_class(model, trained, tmp_path):
         EagleDrafter.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="made for another model"):
         Drafter.from_pretrained(tmp_path, target=tiny_model("llama", num_hidden_layers=4))
+
+
+def test_chunked_cross_entropy_matches_the_dense_one():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    ids, probs = torch.randint(0, 50, (37, 5)), torch.rand(37, 5, dtype=torch.float64)
+    upstream = torch.randn(37, dtype=torch.float64)
+    losses, argmax = chunked_soft_cross_entropy(hidden, weight, ids, probs, chunk=8)
+    dense = -(probs * (hidden @ weight.T).log_softmax(-1).gather(-1, ids)).sum(-1)
+    assert torch.allclose(losses.double(), dense, atol=1e-5)
+    assert torch.equal(argmax, (hidden @ weight.T).argmax(-1))
+    grads = torch.autograd.grad((losses.double() * upstream).sum(), (hidden, weight))
+    expected = torch.autograd.grad((dense * upstream).sum(), (hidden, weight))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected))
+
+
+def test_chunked_and_dense_training_losses_agree(model, rollouts):
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    trainer = DrafterTrainer(drafter, model, unroll_steps=2, precision="float32")
+    trainer.add_sequences(*rollouts)
+    batch = trainer._batch(list(trainer.buffer.sequences)[:4])
+    chunked, metrics = trainer._loss(*batch)
+    grads = torch.autograd.grad(chunked, list(drafter.parameters()))
+    trainer.loss_chunk_size = 0
+    dense, dense_metrics = trainer._loss(*batch)
+    expected = torch.autograd.grad(dense, list(drafter.parameters()))
+    assert torch.allclose(chunked, dense, atol=1e-5) and metrics["top1_by_step"] == dense_metrics["top1_by_step"]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected))

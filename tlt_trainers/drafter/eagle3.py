@@ -137,4 +137,8 @@ class Eagle3Drafter(Drafter):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
-        return F.linear(self.norm(predicted), self.lm_head.weight).to(torch.float32)
+        return F.linear(*self.head_inputs(predicted)).to(torch.float32)
+
+    def head_inputs(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, W) with ``logits = x @ W.T``: what a fused linear cross-entropy needs instead of the logits."""
+        return self.norm(predicted), self.lm_head.weight

@@ -28,6 +28,7 @@ from ..modeling.target import TargetModel
 from .base import Drafter
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME
+from .losses import chunked_soft_cross_entropy
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
@@ -113,6 +114,7 @@ class DrafterTrainer:
         show_progress: bool = False,
         seed: int = 0,
         precision: str = "auto",
+        loss_chunk_size: int = 2048,
     ):
         if unroll_steps < 1:
             raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
@@ -127,6 +129,8 @@ class DrafterTrainer:
         self.buffer = FeatureBuffer(buffer_bytes, max_tokens_per_sequence)
         # bfloat16 autocast of the drafter's forward and backward (the weights and the optimizer stay float32)
         self.autocast_dtype = training_dtype(precision, self.target.device)
+        # EAGLE-3: the head's cross-entropy over this many positions at a time, on scored positions only (0: dense)
+        self.loss_chunk_size = loss_chunk_size
         self.show_progress = show_progress
         self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
@@ -277,13 +281,21 @@ class DrafterTrainer:
         gather_ids = draft_ids.clamp(min=0)
         loss, agreement = 0.0, []
         for step, predicted in enumerate(outputs):
-            weight = (scored & (idx[None] >= step)).to(torch.float32)
-            count = weight.sum().clamp(min=1)
-            logp = drafter.logits(predicted).log_softmax(-1)
-            token_loss = (-(target_probs * logp.gather(-1, gather_ids)).sum(-1) * weight).sum() / count
+            counted = scored & (idx[None] >= step)
+            count = counted.sum().clamp(min=1)
+            if self.loss_chunk_size:  # only the counted positions, a chunk of them at a time
+                losses, argmax = chunked_soft_cross_entropy(*drafter.head_inputs(predicted[counted]),
+                                                            gather_ids[counted], target_probs[counted],
+                                                            self.loss_chunk_size)
+                token_loss = losses.sum() / count
+                agree = (argmax == top1[counted]).sum() / count
+            else:
+                weight = counted.to(torch.float32)
+                logp = drafter.logits(predicted).log_softmax(-1)
+                token_loss = (-(target_probs * logp.gather(-1, gather_ids)).sum(-1) * weight).sum() / count
+                agree = ((logp.argmax(-1) == top1).float() * weight).sum() / count
             loss = loss + (self.unroll_decay**step) * token_loss
-            with torch.no_grad():
-                agreement.append((((logp.argmax(-1) == top1).float() * weight).sum() / count).item())
+            agreement.append(agree.item())
             if step == 0:
                 first_loss = token_loss.item()
         metrics = {"loss": loss.item(), "feature_loss": 0.0, "token_loss": first_loss, "top1": agreement[0],
