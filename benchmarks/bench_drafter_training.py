@@ -3,12 +3,13 @@
     python benchmarks/bench_drafter_training.py                    # 24 micro-steps x 3 reps per setting
     python benchmarks/bench_drafter_training.py --steps 4 --reps 1 --prompts 16     # smoke
 
-The buffer holds the real SmolLM2-135M-Instruct's own sampled answers (reasoning-gym gsm_symbolic, "Think step by
-step", temperature 1.0, up to ``--max-new-tokens``) with the features of the passes that generated them, as in the
-online trainer. Each setting gets its own DrafterTrainer over the same drafter initialisation and the same buffer;
-the settings take turns within every rep (order rotating), each running ``--steps`` micro-steps, so their ratios
-come from the same minutes of this noisy CPU. Reported: trained tokens (real positions in the micro-batches) per
-second, the median over reps, and the ratio to the first setting. Writes
+The buffers hold the real SmolLM2-135M-Instruct's own sampled answers (reasoning-gym gsm_symbolic, "Think step by
+step", temperature 1.0, up to ``--max-new-tokens``), added with one no-grad policy forward: EAGLE-1 buffers keep the
+final hidden states, EAGLE-3 buffers the three fused layers and the policy's top-16 next-token law (computed once
+per sequence). Each setting gets its own DrafterTrainer over the same drafter initialisation of its architecture and
+the same buffer; the settings take turns within every rep (order rotating), each running ``--steps`` micro-steps on
+the same micro-batches, so their ratios come from the same minutes of this noisy CPU. Reported: trained tokens (real
+positions in the micro-batches) per second, the median over reps, and the ratio to the first setting. Writes
 benchmarks/results/bench_drafter_training.json.
 """
 
@@ -27,12 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import math_prompts, print_table, write_results  # noqa: E402
+from common import completion_mask, math_prompts, print_table, write_results  # noqa: E402
 
-# name -> DrafterTrainer keyword arguments (the trainer's defaults otherwise)
+# name -> (architecture, DrafterTrainer keyword arguments; the trainer's defaults otherwise)
 SETTINGS = {
-    "float32": {"precision": "float32"},
-    "bf16": {"precision": "bfloat16"},
+    "eagle1 float32": ("eagle", {"precision": "float32"}),
+    "eagle1 bf16": ("eagle", {"precision": "bfloat16"}),
+    "eagle3 bf16 dense loss": ("eagle3", {"precision": "bfloat16", "loss_chunk_size": 0}),
+    "eagle3 bf16 chunked loss": ("eagle3", {"precision": "bfloat16"}),
 }
 
 
@@ -49,44 +52,57 @@ def parse_args():
     return p.parse_args()
 
 
-def sample_buffer(model, tok, trainer, prompts: list[str], max_new_tokens: int) -> int:
+def sample_answers(model, tok, prompts: list[str], max_new_tokens: int) -> tuple[list, int]:
+    """(input_ids, attention_mask) batches of prompt + answer, and the answer tokens sampled."""
     from tlt_trainers import SpeculativeGenerator, TLTConfig
 
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
-    tokens = 0
+    tokens, batches = 0, []
     for offset in range(0, len(prompts), 32):
         enc = tok(prompts[offset: offset + 32], return_tensors="pt", padding=True)
         result = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
                                  do_sample=True, temperature=1.0, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(offset),
-                                 feature_sink=trainer.add_features)
-        tokens += result.stats.generated_tokens
-    return tokens
+                                 pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(offset))
+        mask = torch.cat([enc.attention_mask, completion_mask(result.sequences, enc.input_ids.shape[1],
+                                                              tok.pad_token_id, tok.eos_token_id)], dim=1)
+        batches.append((result.sequences, mask))
+        tokens += int(mask[:, enc.input_ids.shape[1]:].sum())
+    return batches, tokens
 
 
 def main() -> None:
     args = parse_args()
-    from tlt_trainers import EagleDrafter
+    from tlt_trainers import Eagle3Drafter, EagleDrafter
     from tlt_trainers.drafter.trainer import DrafterTrainer
     from tlt_trainers.pretrained import load_smollm2
 
     model, tok = load_smollm2()
-    torch.manual_seed(0)
-    drafter = EagleDrafter.from_target(model, draft_vocab_size=args.draft_vocab or None)
     names = [n for n in args.settings.split(",") if n]
-    trainers = {}
-    for name in names:
-        trainers[name] = DrafterTrainer(copy.deepcopy(drafter), model, micro_batch_size=args.micro_batch_size,
-                                        unroll_steps=args.unroll_steps, **SETTINGS[name])
-    first = trainers[names[0]]
+    unknown = sorted(set(names) - set(SETTINGS))
+    if unknown:
+        raise SystemExit(f"Unknown settings {unknown}; known: {list(SETTINGS)}")
     prompts = math_prompts(tok, args.prompts, seed=3, dataset="gsm_symbolic")
     start = time.perf_counter()
-    answer_tokens = sample_buffer(model, tok, first, prompts, args.max_new_tokens)
+    batches, answer_tokens = sample_answers(model, tok, prompts, args.max_new_tokens)
     print(f"sampled {answer_tokens} answer tokens from {len(prompts)} prompts in {time.perf_counter() - start:.0f} s",
           flush=True)
-    for trainer in trainers.values():  # one buffer; copies of one drafter with the same draft vocabulary
-        trainer.buffer = first.buffer
-        trainer.rebuild_draft_vocab()
+    kinds = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter}
+    drafters, buffers, trainers = {}, {}, {}
+    for name in names:
+        kind, kwargs = SETTINGS[name]
+        if kind not in drafters:
+            torch.manual_seed(0)
+            drafters[kind] = kinds[kind].from_target(model, draft_vocab_size=args.draft_vocab or None)
+        trainer = DrafterTrainer(copy.deepcopy(drafters[kind]), model, micro_batch_size=args.micro_batch_size,
+                                 unroll_steps=args.unroll_steps, **kwargs)
+        if kind not in buffers:  # one buffer per architecture, filled once
+            for ids, mask in batches:
+                trainer.add_sequences(ids, mask)
+            buffers[kind] = trainer.buffer
+        trainer.buffer = buffers[kind]
+        trainer.rebuild_draft_vocab()  # the same draft vocabulary for every setting
+        trainers[name] = trainer
+    first = trainers[names[0]]
     raw = []
     for rep in range(args.reps):
         order = names[rep % len(names):] + names[: rep % len(names)]

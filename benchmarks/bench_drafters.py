@@ -26,6 +26,7 @@ from common import cache_root, machine, write_results
 
 from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.buffer import FeatureBuffer
+from tlt_trainers.drafter.trainer import native_bf16
 from tlt_trainers.pretrained import load_smollm2
 from tlt_trainers.shipped import shipped_drafter_for
 from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix
@@ -82,7 +83,8 @@ def warm_up(kind: str, minutes: float, count: int, size: int, out: str) -> None:
         mask = torch.zeros_like(ids)
         for j, r in enumerate(rows):
             ids[j, : len(r)], mask[j, : len(r)] = r, 1
-        trainer.add_sequences(ids, mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu"))):
+            trainer.add_sequences(ids, mask)  # as scripts/train_shipped_drafter.py
     feature_seconds = time.perf_counter() - start
     metrics = trainer.train(max_seconds=minutes * 60)
     drafter.save_pretrained(out)

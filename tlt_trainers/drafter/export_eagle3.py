@@ -32,8 +32,9 @@ def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> 
     """The drafter's tensors by the names both engines read (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``
     as offsets, ``t2d``), on CPU in ``dtype`` (default: the drafter's)."""
     if _embed_scale(drafter.target.embed) is not None:
-        raise ValueError("The policy scales its embedding (Gemma); vLLM and SGLang hand an EAGLE-3 drafter the "
-                         "unscaled embedding, and input_layernorm does not undo a scale exactly. Not exportable.")
+        raise ValueError("The policy scales its embedding (Gemma): vLLM and SGLang hand an EAGLE-3 drafter the "
+                         "unscaled embedding and run EAGLE-3 for Llama and Qwen3 policies only. Serve this drafter "
+                         "with tlt_trainers' own engine.")
     dtype = dtype or drafter.fc.weight.dtype
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in drafter.state_dict().items() if name != "d2t"}

@@ -84,45 +84,62 @@ def write_model_card(
     params = sum(p.numel() for p in drafter.parameters())
     policy_text = f"[`{policy}`](https://huggingface.co/{policy})" if policy else "its policy (name not recorded)"
 
+    eagle3 = c.architecture == "Eagle3Drafter"
+    method, algorithm = ("eagle3", "EAGLE3") if eagle3 else ("eagle", "EAGLE")
+    vllm_export, sglang_export = ("export_eagle3_vllm", "export_eagle3_sglang") if eagle3 else ("export_vllm",
+                                                                                              "export_sglang")
+    module = "tlt_trainers.drafter.export_eagle3" if eagle3 else "tlt_trainers.drafter.export"
     vllm_lines, sglang_lines = [], []
     if vllm_model is None:
         vllm_model = "drafter-vllm"
-        full = ", full_vocab_head=True" if c.uses_draft_vocab else ""
-        vllm_lines = ["from tlt_trainers.drafter.export import export_vllm",
-                      f'export_vllm(drafter, "{vllm_model}", verifier_name_or_path="{policy or "POLICY"}"{full})']
+        full = ", full_vocab_head=True" if c.uses_draft_vocab and not eagle3 else ""
+        vllm_lines = [f"from {module} import {vllm_export}",
+                      f'{vllm_export}(drafter, "{vllm_model}", "{policy or "POLICY"}"{full})']
     if sglang_model is None:
         sglang_model = "drafter-sglang"
-        sglang_lines = ["from tlt_trainers.drafter.export import export_sglang",
-                        f'export_sglang(drafter, "{sglang_model}", target_model="{policy or "POLICY"}")']
+        sglang_lines = [f"from {module} import {sglang_export}",
+                        f'{sglang_export}(drafter, "{sglang_model}", "{policy or "POLICY"}")']
     vllm_lines += ["from vllm import LLM",
                    f'llm = LLM(model="{policy or "POLICY"}",',
-                   f'          speculative_config={{"method": "eagle", "model": "{vllm_model}", '
+                   f'          speculative_config={{"method": "{method}", "model": "{vllm_model}", '
                    f'"num_speculative_tokens": {k}}})']
     launch = [f"python -m sglang.launch_server --model-path {policy or 'POLICY'} \\",
-              f"  --speculative-algorithm EAGLE --speculative-draft-model-path {sglang_model} \\",
+              f"  --speculative-algorithm {algorithm} --speculative-draft-model-path {sglang_model} \\",
               f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
-    if c.uses_draft_vocab:
+    if c.uses_draft_vocab and not eagle3:
         launch[-1] += " \\"
         launch.append(f"  --speculative-token-map {sglang_model}/hot_token_map.pt")
 
+    if eagle3:
+        title, paper = "EAGLE-3", "https://arxiv.org/abs/2503.01840"
+        reads = (f"{policy_text}: the drafter reads a fusion of this policy's hidden states entering layers "
+                 f"{list(c.aux_layer_ids)} and takes its embedding (not stored here); it scores tokens with its own "
+                 "head.")
+        layout = ("EAGLE-3: `fc` fuses three policy layers, one Llama decoder layer over [embedding; feature], "
+                  "its own norm and LM head over the draft vocabulary")
+    else:
+        title, paper = "EAGLE", "https://arxiv.org/abs/2401.15077"
+        reads = (f"{policy_text}: the drafter reads this policy's final hidden states and scores through its "
+                 "embedding and LM head (neither is stored here).")
+        layout = "EAGLE-1: `fc`(embedding, hidden state), one Llama decoder layer without its input norm"
     out = [
-        f"# EAGLE drafter for {policy or 'its policy'}",
+        f"# {title} drafter for {policy or 'its policy'}",
         "",
-        "A one-layer [EAGLE](https://arxiv.org/abs/2401.15077) drafter for lossless speculative decoding, trained with",
-        "tlt-trainers on the policy's own hidden states during RL post-training. It proposes tokens; the policy",
+        f"A one-layer [{title}]({paper}) drafter for lossless speculative decoding, trained with",
+        "tlt-trainers on the policy's own hidden states. It proposes tokens; the policy",
         "verifies them, so what is generated is exactly what the policy alone would generate. A better drafter only",
         "makes it faster.",
         "",
         "## Aligned to",
         "",
-        f"{policy_text}: the drafter reads this policy's final hidden states and scores through its embedding and LM",
-        "head (neither is stored here). It was trained on the policy's own rollouts and tracks the checkpoint it was",
+        reads,
+        "It was trained on the policy's own answers and tracks the checkpoint it was",
         "last trained on: use it with exactly that policy; with another checkpoint acceptance drops (outputs stay",
         "exact).",
         "",
         "| | |",
         "|---|---|",
-        "| layout | EAGLE-1: `fc`(embedding, hidden state), one Llama decoder layer without its input norm |",
+        f"| layout | {layout} |",
         f"| hidden size / heads / KV heads / head dim | {c.hidden_size} / {c.num_attention_heads} / "
         f"{c.num_key_value_heads} / {c.head_dim} |",
         f"| MLP size | {c.intermediate_size} |",
@@ -144,26 +161,26 @@ def write_model_card(
         "tlt-trainers (the files in this folder):",
         "",
         "```python",
-        "from tlt_trainers import EagleDrafter, SpeculativeGenerator",
-        f'drafter = EagleDrafter.from_pretrained("{here}", target=model)  # model: the policy above',
+        "from tlt_trainers import Drafter, SpeculativeGenerator",
+        f'drafter = Drafter.from_pretrained("{here}", target=model)  # model: the policy above',
         "gen = SpeculativeGenerator(model, drafter)",
         "```",
         "",
-        "vLLM (EAGLE-1 layout written by `tlt_trainers.drafter.export.export_vllm`):",
+        f"vLLM (written by `{module}.{vllm_export}`):",
         "",
         "```python",
         *vllm_lines,
         "```",
         "",
     ]
-    if c.uses_draft_vocab:
+    if c.uses_draft_vocab and not eagle3:
         out += ["vLLM's EAGLE-1 drafter has no draft vocabulary: its export drafts over the full vocabulary",
                 "(`full_vocab_head=True`). Outputs are unchanged; drafting costs more than here.", ""]
-    out += ["SGLang (EAGLE-1 layout written by `tlt_trainers.drafter.export.export_sglang`):", ""]
+    out += [f"SGLang (written by `{module}.{sglang_export}`):", ""]
     if sglang_lines:
         out += ["```python", *sglang_lines, "```", ""]
     out += ["```bash", *launch, "```", ""]
-    if c.uses_draft_vocab:
+    if c.uses_draft_vocab and not eagle3:
         out += ["The token map keeps the draft vocabulary: without `--speculative-token-map` SGLang would draft over",
                 "the full vocabulary.", ""]
     body = "\n".join(out)
