@@ -215,8 +215,8 @@ def parse_args():
     p.add_argument("--learning-rate", type=float, default=2e-6)
     p.add_argument("--skip-steps", type=int, default=1, help="steps left out of the means (one-off costs)")
     p.add_argument("--drafter", default=None,
-                   help="start TLT from this saved drafter (e.g. from `tlt warmup-drafter`); default: a fresh one that "
-                        "learns from the rollouts")
+                   help="start TLT from this saved drafter (e.g. from `tlt warmup-drafter`); default: the drafter "
+                        "shipped for SmolLM2-135M-Instruct; 'fresh': a fresh one that learns from the rollouts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/reproduce")
     options = p.parse_args()
