@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cache_root, machine, write_results
+from common import cache_root, write_results
 
 from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.buffer import FeatureBuffer
@@ -188,9 +188,9 @@ def main() -> None:
     print("\n".join(lines))
     warmups = {k: json.loads((f / "warmup.json").read_text()) for k, f in folders.items()}
     write_results(args.out, {
-        "command": "python benchmarks/bench_drafters.py", "machine": machine(), "args": vars(args),
+        "args": vars(args),
         "drafters": {name: source for name, (_, source) in drafters.items()}, "warmups": warmups,
-        "rows": rows, "raw": raw, "table": lines,
+        "rows": rows, "raw": raw, "table": "\n".join(lines),
     })
 
 

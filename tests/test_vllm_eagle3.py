@@ -1,6 +1,7 @@
 """An Eagle3Drafter exported in the speculators layout is what vLLM serves: loaded as ``Eagle3LlamaForCausalLM`` on
-the real SmolLM2-135M-Instruct, greedy outputs identical to plain vLLM, and the acceptance vLLM measures is the one
-our engine measures with the same drafter (same computation, same draft vocabulary).
+the real SmolLM2-135M-Instruct, refreshed in place by VLLMDrafterSync.push (weights and draft vocabulary), greedy
+outputs identical to plain vLLM, and the acceptance vLLM measures is the one our engine measures with the same
+drafter (same computation, same draft vocabulary).
 
 The file checks need no vLLM; the engine test is ``slow`` + ``vllm`` (skipped where vLLM does not import).
 """
@@ -18,7 +19,7 @@ from tiny_models import tiny_model
 
 from tlt_trainers import DrafterTrainer, Eagle3Drafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.export_eagle3 import export_eagle3_sglang, export_eagle3_vllm
-from tlt_trainers.vllm import require_vllm, spec_decode_counters
+from tlt_trainers.vllm import VLLMDrafterSync, require_vllm, spec_decode_counters
 
 
 def test_exports_name_what_each_engine_reads(tmp_path):
@@ -86,19 +87,29 @@ def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
                                do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         our_acceptance = result.stats.accepted_tokens / result.stats.draft_tokens
 
-        out = export_eagle3_vllm(drafter, tmp_path / "eagle3", path, num_speculative_tokens=3)
-        llm = LLM(path, **ENGINE, disable_log_stats=False,
-                  speculative_config={"model": str(out), "num_speculative_tokens": 3})
+        # The engine starts with an untrained drafter (and another draft vocabulary); the trained one is pushed.
+        torch.manual_seed(1)
+        untrained = Eagle3Drafter.from_target(model, draft_vocab_size=4096)
+        sync = VLLMDrafterSync(untrained, path, directory=tmp_path / "eagle3", num_speculative_tokens=3)
+        llm = sync.create_llm(path, **ENGINE)
         try:
             classes = llm.collective_rpc(lambda worker: type(worker.model_runner.get_draft_model()).__name__)
             assert classes == ["Eagle3LlamaForCausalLM"]
+            before = spec_decode_counters(llm)
+            fresh = _ids(llm.generate(prompts, greedy, use_tqdm=False))
+            counts_fresh = spec_decode_counters(llm) - before
+            timing = sync.push(drafter)
             before = spec_decode_counters(llm)
             served = _ids(llm.generate(prompts, greedy, use_tqdm=False))
             counts = spec_decode_counters(llm) - before
         finally:
             del llm
+            sync.close()
             gc.collect()
+    assert fresh == reference
+    assert timing.tensors == 15
     assert served == reference
     vllm_acceptance = counts.num_accepted_tokens / counts.num_draft_tokens
+    assert counts_fresh.num_accepted_tokens / counts_fresh.num_draft_tokens < 0.1, counts_fresh
     assert vllm_acceptance > 0.2, counts
     assert abs(vllm_acceptance - our_acceptance) < 0.1, (vllm_acceptance, our_acceptance)

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from ..drafter.base import Drafter
 from ..drafter.config import CONFIG_NAME, WEIGHTS_NAME
-from ..drafter.eagle import EagleDrafter
 
 EXTENSION = "tlt_trainers.vllm.worker.DrafterReloadExtension"
 
@@ -21,13 +21,19 @@ _EXPORT_HINT = (
 
 
 def read_drafter_export(drafter_dir: str | os.PathLike) -> dict:
-    """The Llama config.json of an :func:`~tlt_trainers.drafter.export.export_vllm` folder (default layout), checked
-    to be what vLLM's ``method="eagle"`` loads: one decoder layer, Llama, weights in model.safetensors."""
+    """The config of a drafter export vLLM serves, checked: an :func:`~tlt_trainers.drafter.export.export_vllm`
+    folder (default layout: one Llama decoder layer, ``method="eagle"``) or an
+    :func:`~tlt_trainers.drafter.export_eagle3.export_eagle3_vllm` folder (speculators EAGLE-3, ``method="eagle3"``;
+    its ``transformer_layer_config`` is returned, with ``method`` added)."""
     path = Path(drafter_dir)
     file = path / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"No {CONFIG_NAME} in {path}: not a drafter export. {_EXPORT_HINT}")
     config = json.loads(file.read_text())
+    if config.get("speculators_model_type") == "eagle3":
+        if not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"{path} has a {CONFIG_NAME} but no {WEIGHTS_NAME}. {_EXPORT_HINT}")
+        return {**config["transformer_layer_config"], "method": "eagle3"}
     if "speculators_model_type" in config:
         raise ValueError(
             f"{path} is in the speculators layout, which vLLM reads only for eagle3 and newer types, not for the "
@@ -40,7 +46,7 @@ def read_drafter_export(drafter_dir: str | os.PathLike) -> dict:
         )
     if not (path / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"{path} has a {CONFIG_NAME} but no {WEIGHTS_NAME}. {_EXPORT_HINT}")
-    return config
+    return {**config, "method": "eagle"}
 
 
 def _read_policy_config(path: Path) -> dict:
@@ -73,11 +79,11 @@ def policy_shape(policy: Any) -> tuple[int, int, str]:
                     "config, local folder or vllm.LLM.")
 
 
-def check_drafter_matches(drafter: EagleDrafter | dict | str | os.PathLike, policy: Any) -> None:
-    """Raise ValueError when ``drafter`` (an EagleDrafter, an export folder or its config dict) was not made for
+def check_drafter_matches(drafter: Drafter | dict | str | os.PathLike, policy: Any) -> None:
+    """Raise ValueError when ``drafter`` (a Drafter, an export folder or its config dict) was not made for
     ``policy``: vLLM feeds the drafter the policy's hidden states and embedding and reads its tokens through the
     policy's LM head, so hidden size and vocabulary must agree exactly."""
-    if isinstance(drafter, EagleDrafter):
+    if isinstance(drafter, Drafter):
         hidden, vocab, where = drafter.config.hidden_size, drafter.config.vocab_size, "The drafter"
     else:
         config = drafter if isinstance(drafter, dict) else read_drafter_export(drafter)
@@ -99,10 +105,12 @@ def speculative_config(
     policy: Any = None,
     **extra: Any,
 ) -> dict:
-    """The dict for ``vllm.LLM(policy, speculative_config=...)`` that serves an exported EagleDrafter.
+    """The dict for ``vllm.LLM(policy, speculative_config=...)`` that serves an exported drafter.
 
-    ``drafter_dir``: an :func:`~tlt_trainers.drafter.export.export_vllm` folder (default layout). vLLM's
-    ``method="eagle"`` loads it as ``EagleLlamaForCausalLM`` and shares the policy's embedding and LM head with it.
+    ``drafter_dir``: an :func:`~tlt_trainers.drafter.export.export_vllm` folder (default layout: vLLM's
+    ``method="eagle"`` loads it as ``EagleLlamaForCausalLM`` and shares the policy's embedding and LM head with it)
+    or an :func:`~tlt_trainers.drafter.export_eagle3.export_eagle3_vllm` folder (``method="eagle3"``,
+    ``Eagle3LlamaForCausalLM``, sharing the embedding).
     ``policy`` (optional: model, config, local folder or ``LLM``): checked to match the drafter's hidden size and
     vocabulary. ``extra``: any other SpeculativeConfig field of the installed vLLM (``draft_tensor_parallel_size``,
     ``max_model_len``, ...), passed through as given.
@@ -115,8 +123,8 @@ def speculative_config(
     for key in ("method", "model", "num_speculative_tokens"):
         if key in extra:
             raise TypeError(f"speculative_config() sets {key!r} itself.")
-    return {"method": "eagle", "model": str(Path(drafter_dir)), "num_speculative_tokens": int(num_speculative_tokens),
-            **extra}
+    return {"method": config["method"], "model": str(Path(drafter_dir)),
+            "num_speculative_tokens": int(num_speculative_tokens), **extra}
 
 
 def batch_size_schedule(num_speculative_tokens: int, max_speculative_batch_size: int | None,

@@ -14,9 +14,12 @@ import torch
 from safetensors.torch import save, save_file
 from torch import nn
 
+from ..drafter.base import Drafter
 from ..drafter.config import WEIGHTS_NAME
 from ..drafter.eagle import EagleDrafter
+from ..drafter.eagle3 import Eagle3Drafter
 from ..drafter.export import export_vllm, vllm_weights
+from ..drafter.export_eagle3 import eagle3_weights, export_eagle3_vllm
 from ._install import VLLM_INSTALL_HINT, require_vllm, vllm_version
 from .config import EXTENSION, check_drafter_matches, speculative_config
 from .metrics import SpecDecodeCounters, spec_decode_counters
@@ -48,7 +51,8 @@ def _is_speculative_config_error(err: BaseException) -> bool:
 
 
 class VLLMDrafterSync:
-    """Serve an :class:`EagleDrafter` in a vLLM engine and push its new weights there after each update.
+    """Serve an :class:`EagleDrafter` (vLLM's ``eagle``) or :class:`Eagle3Drafter` (``eagle3``) in a vLLM engine and
+    push its new weights there after each update.
 
         sync = VLLMDrafterSync(drafter, policy_dir, num_speculative_tokens=3)   # exports once, to a folder it owns
         llm = sync.create_llm(policy_dir, dtype="float32")      # = LLM(policy_dir, **sync.engine_kwargs(), ...)
@@ -67,7 +71,7 @@ class VLLMDrafterSync:
 
     def __init__(
         self,
-        drafter: EagleDrafter,
+        drafter: Drafter,
         policy: str | os.PathLike | nn.Module | None = None,
         *,
         llm: Any = None,
@@ -75,8 +79,9 @@ class VLLMDrafterSync:
         num_speculative_tokens: int = 3,
         full_vocab_head: bool = False,
     ):
-        if not isinstance(drafter, EagleDrafter):
-            raise TypeError(f"VLLMDrafterSync serves an EagleDrafter (vLLM's EAGLE-1), not a {type(drafter).__name__}.")
+        if not isinstance(drafter, (EagleDrafter, Eagle3Drafter)):
+            raise TypeError(f"VLLMDrafterSync serves an EagleDrafter (vLLM's EAGLE-1) or an Eagle3Drafter (EAGLE-3), "
+                            f"not a {type(drafter).__name__}.")
         if policy is not None:
             check_drafter_matches(drafter, policy)
         self.drafter = drafter
@@ -89,8 +94,12 @@ class VLLMDrafterSync:
         self.engine_info: list[dict] = []
         start = time.perf_counter()
         try:
-            export_vllm(drafter, self.directory, policy, num_speculative_tokens=self.num_speculative_tokens,
-                        full_vocab_head=full_vocab_head)
+            if isinstance(drafter, Eagle3Drafter):
+                export_eagle3_vllm(drafter, self.directory, policy or drafter.config.target_name_or_path or "policy",
+                                   num_speculative_tokens=self.num_speculative_tokens)
+            else:
+                export_vllm(drafter, self.directory, policy, num_speculative_tokens=self.num_speculative_tokens,
+                            full_vocab_head=full_vocab_head)
             self.export_seconds = time.perf_counter() - start
             if llm is not None:
                 self.attach(llm)
@@ -158,7 +167,7 @@ class VLLMDrafterSync:
         return self
 
     # ------------------------------------------------------------------ updates
-    def push(self, drafter: EagleDrafter | None = None, *, via: str = "auto",
+    def push(self, drafter: Drafter | None = None, *, via: str = "auto",
              reset_prefix_cache: bool = True) -> PushTiming:
         """Load ``drafter``'s weights (default: the one given at construction) into the engine's drafter.
 
@@ -175,15 +184,19 @@ class VLLMDrafterSync:
         if via not in ("auto", "tensors", "bytes", "files"):
             raise ValueError(f"via={via!r}: choose 'auto', 'tensors', 'bytes' or 'files'.")
         drafter = self.drafter if drafter is None else drafter
-        if drafter.config.hidden_size != self.drafter.config.hidden_size or \
-                drafter.config.vocab_size != self.drafter.config.vocab_size:
-            raise ValueError("push() got a drafter made for another model than the one the engine serves (hidden "
-                             "size or vocabulary differ): restart the engine with its export.")
+        if type(drafter) is not type(self.drafter) or drafter.config.hidden_size != self.drafter.config.hidden_size \
+                or drafter.config.vocab_size != self.drafter.config.vocab_size:
+            raise ValueError("push() got a drafter of another architecture or made for another model than the one "
+                             "the engine serves (hidden size or vocabulary differ): restart the engine with its "
+                             "export.")
         if via == "auto":
             via = "tensors" if all(info.get("pid") == os.getpid() for info in self.engine_info) else "bytes"
         start = time.perf_counter()
         dtype = _torch_dtype(self.engine_info[0]["dtype"]) if self.engine_info else None
-        tensors = vllm_weights(drafter, full_vocab_head=self.full_vocab_head, dtype=dtype)
+        if isinstance(drafter, Eagle3Drafter):
+            tensors = eagle3_weights(drafter, dtype)
+        else:
+            tensors = vllm_weights(drafter, full_vocab_head=self.full_vocab_head, dtype=dtype)
         if via == "files":
             tmp = self.directory / f".{WEIGHTS_NAME}.tmp"
             save_file(tensors, str(tmp), metadata={"format": "pt", "exported_by": "tlt_trainers (vllm eagle)"})

@@ -33,13 +33,35 @@ _VLLM_PREFIXES = ("fc.", "layers.0.")
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-def expected_drafter_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """The checkpoint names and shapes of an EAGLE-1 Llama drafter with this (draft) config, as
-    ``EagleLlamaForCausalLM.load_weights`` reads them: every one must come in a reload, with this shape."""
+def expected_drafter_shapes(hf_config, method: str = "eagle") -> dict[str, tuple[int, ...]]:
+    """The checkpoint names and shapes of a Llama drafter with this (draft) config, as vLLM's
+    ``EagleLlamaForCausalLM`` (``method="eagle"``) or ``Eagle3LlamaForCausalLM`` (``"eagle3"``) ``load_weights``
+    reads them: every one must come in a reload, with this shape."""
     h, heads = int(hf_config.hidden_size), int(hf_config.num_attention_heads)
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
     inter = int(hf_config.intermediate_size)
+    if method == "eagle3":
+        layers = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or [0, 0, 0]
+        draft_vocab = int(getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size)
+        layer = "midlayer."
+        return {
+            "fc.weight": (h, len(layers) * int(getattr(hf_config, "target_hidden_size", None) or h)),
+            layer + "input_layernorm.weight": (h,),
+            layer + "hidden_norm.weight": (h,),
+            layer + "self_attn.q_proj.weight": (heads * head_dim, 2 * h),
+            layer + "self_attn.k_proj.weight": (kv * head_dim, 2 * h),
+            layer + "self_attn.v_proj.weight": (kv * head_dim, 2 * h),
+            layer + "self_attn.o_proj.weight": (h, heads * head_dim),
+            layer + "post_attention_layernorm.weight": (h,),
+            layer + "mlp.gate_proj.weight": (inter, h),
+            layer + "mlp.up_proj.weight": (inter, h),
+            layer + "mlp.down_proj.weight": (h, inter),
+            "norm.weight": (h,),
+            "lm_head.weight": (draft_vocab, h),
+            "d2t": (draft_vocab,),
+            "t2d": (int(hf_config.vocab_size),),
+        }
     layer = "layers.0."
     return {
         "fc.weight": (h, 2 * h),
@@ -55,11 +77,13 @@ def expected_drafter_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
 
 def to_vllm_names(weights: dict[str, torch.Tensor], *, embed_scale: float | None = None,
-                  full_vocab_head: bool = False) -> dict[str, torch.Tensor]:
+                  full_vocab_head: bool = False, method: str = "eagle") -> dict[str, torch.Tensor]:
     """Weights under vLLM's checkpoint names: given as such (``fc.*``, ``layers.0.*``) they pass unchanged, an
     EagleDrafter state dict (``fc.*``, ``self_attn.*``, ``mlp.*``, ...) goes through the export mapping
-    (:func:`~tlt_trainers.drafter.export.eagle_state_dict_to_vllm`; ``embed_scale`` for a scaled policy embedding)."""
-    if all(name.startswith(_VLLM_PREFIXES) for name in weights):
+    (:func:`~tlt_trainers.drafter.export.eagle_state_dict_to_vllm`; ``embed_scale`` for a scaled policy embedding).
+    EAGLE-3 weights come as :func:`~tlt_trainers.drafter.export_eagle3.eagle3_weights` writes them (``d2t`` as
+    offsets) and pass unchanged."""
+    if method == "eagle3" or all(name.startswith(_VLLM_PREFIXES) for name in weights):
         return dict(weights)
     return eagle_state_dict_to_vllm(weights, embed_scale=embed_scale, full_vocab_head=full_vocab_head)
 
@@ -88,10 +112,10 @@ def _draft_model_and_config(worker):
             "This vLLM engine runs no drafter: start it with speculative_config=tlt_trainers.vllm.speculative_config("
             "export_dir, k) (VLLMDrafterSync.engine_kwargs() gives it)."
         )
-    if spec.method != "eagle":
+    if spec.method not in ("eagle", "eagle3"):
         raise RuntimeError(
-            f"This engine speculates with method={spec.method!r}; DrafterReloadExtension reloads the EAGLE-1 drafter "
-            "that tlt_trainers exports (method='eagle')."
+            f"This engine speculates with method={spec.method!r}; DrafterReloadExtension reloads the drafters "
+            "tlt_trainers exports (method='eagle' for EagleDrafter, 'eagle3' for Eagle3Drafter)."
         )
     get_draft_model = getattr(worker.model_runner, "get_draft_model", None)
     model = get_draft_model() if callable(get_draft_model) else None
@@ -153,10 +177,9 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
     if bad:
         raise TypeError(f"Drafter weights must be tensors; {bad[:3]} are not (across processes, send a safetensors "
                         "blob: VLLMDrafterSync.push does).")
-    weights = to_vllm_names(weights, embed_scale=embed_scale, full_vocab_head=full_vocab_head)
-
     model, spec = _draft_model_and_config(worker)
-    expected = expected_drafter_shapes(spec.draft_model_config.hf_config)
+    weights = to_vllm_names(weights, embed_scale=embed_scale, full_vocab_head=full_vocab_head, method=spec.method)
+    expected = expected_drafter_shapes(spec.draft_model_config.hf_config, spec.method)
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     wrong = sorted(f"{name} {tuple(weights[name].shape)} (engine: {expected[name]})"
@@ -168,7 +191,8 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
             "policy, same EagleDrafterConfig), or restart the engine with the new export."
         )
     dtype = spec.draft_model_config.dtype
-    tensors = [(name, tensor.detach().to(dtype=dtype).contiguous()) for name, tensor in weights.items()]
+    tensors = [(name, tensor.detach().to(dtype=dtype if tensor.is_floating_point() else tensor.dtype).contiguous())
+               for name, tensor in weights.items()]
 
     layerwise_logger = logging.getLogger(_LAYERWISE_LOGGER)
     quiet = _DropSharedLayerWarnings()
