@@ -42,7 +42,11 @@ def test_trainers_start_from_the_shipped_drafter_unless_told_otherwise(shelf):
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
     fresh, _, _ = rollout_drafter(policy, DrafterSettings(drafter_name_or_path="fresh"), seed=1)
     assert not torch.equal(fresh.fc.weight, drafter.fc.weight)
-    served_by_vllm, _, _ = rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm")
-    assert isinstance(served_by_vllm, EagleDrafter)
+    colocated_vllm, _, _ = rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm")
+    assert isinstance(colocated_vllm, Eagle3Drafter)  # VLLMDrafterSync serves and refreshes EAGLE-3
+    eagle1_only, _, _ = rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm-eagle1")
+    assert isinstance(eagle1_only, EagleDrafter) and not eagle1_only.config.uses_draft_vocab  # vLLM's EAGLE-1
+    with pytest.raises(ValueError, match="serves and reloads EAGLE-1"):
+        rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle3"), seed=0, engine="vllm-eagle1")
     eagle1, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle"), seed=0)
     assert isinstance(eagle1, EagleDrafter)

@@ -28,15 +28,25 @@ def draft_vocab_size(requested: int | None, vocab: int) -> int | None:
 EAGLE3_MIN_LAYERS = 6
 
 
+ENGINES = ("tlt", "vllm", "vllm-eagle1")
+
+
 def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> type[Drafter]:
     """The class of a fresh drafter: ``architecture`` 'eagle3' / 'eagle', or 'auto' (EAGLE-3 where the policy has at
-    least 6 Llama-style layers and ``engine`` serves it, i.e. TLT's own engine; EAGLE-1 elsewhere)."""
+    least 6 Llama-style layers and ``engine`` serves it; EAGLE-1 elsewhere).
+
+    ``engine``: 'tlt' (TLT's own engine) and 'vllm' (a colocated vLLM engine, ``VLLMDrafterSync``) serve both;
+    'vllm-eagle1' (TRL's vLLM server mode, veRL's vLLM rollout) serves EAGLE-1 only.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {ENGINES}.")
     if architecture == "eagle":
         return EagleDrafter
-    if engine == "vllm":
+    if engine == "vllm-eagle1":
         if architecture == "eagle3":
-            raise ValueError("drafter_architecture='eagle3' with a vLLM rollout: tlt_trainers serves and reloads "
-                             "EAGLE-1 drafters in vLLM; set drafter_architecture='eagle' (or 'auto').")
+            raise ValueError("drafter_architecture='eagle3' with this vLLM rollout (TRL's server mode or veRL's vLLM "
+                             "rollout): it serves and reloads EAGLE-1 drafters; set drafter_architecture='eagle' (or "
+                             "'auto'), or use TRL's colocated vLLM engine.")
         return EagleDrafter
     layers = getattr(text_config(policy), "num_hidden_layers", 0) or 0
     deep = layers >= EAGLE3_MIN_LAYERS and getattr(policy.get_decoder(), "layers", None) is not None
@@ -47,13 +57,14 @@ def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> 
 
 def starting_drafter(policy: nn.Module, settings: Any, engine: str = "tlt") -> str | None:
     """Where the rollout's drafter is loaded from: ``settings.drafter_name_or_path``, else the drafter shipped for
-    ``policy`` (TLT's own engine; vLLM rollouts serve EAGLE-1), else None (a fresh one). 'fresh' forces None."""
+    ``policy`` (an EAGLE-3 one: not for an ``engine`` that serves EAGLE-1 only), else None (a fresh one). 'fresh'
+    forces None."""
     name = settings.drafter_name_or_path
     if name == "fresh":
         return None
     if name is not None:
         return name
-    if engine != "tlt" or getattr(settings, "drafter_architecture", "auto") == "eagle":
+    if engine == "vllm-eagle1" or getattr(settings, "drafter_architecture", "auto") == "eagle":
         return None
     from ..shipped import shipped_drafter_for
 
@@ -83,9 +94,11 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
         elif source is not None:
             drafter = Drafter.from_pretrained(source, target=policy)
         else:
-            size = draft_vocab_size(settings.draft_vocab_size, head.shape[0])
             kind = drafter_class(policy, getattr(settings, "drafter_architecture", "auto"), engine)
-            drafter = kind.from_target(policy, draft_vocab_size=size)
+            requested = settings.draft_vocab_size
+            if engine != "tlt" and kind is EagleDrafter and requested is None:
+                requested = 0  # vLLM's EAGLE-1 drafter scores the full vocabulary: train the drafter it will serve
+            drafter = kind.from_target(policy, draft_vocab_size=draft_vocab_size(requested, head.shape[0]))
     drafter.eval()
     trainer = DrafterTrainer(drafter, policy, lr=settings.drafter_lr,
                              micro_batch_size=settings.drafter_micro_batch_size,

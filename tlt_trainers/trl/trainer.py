@@ -41,6 +41,7 @@ from trl.trainer.utils import pad
 from ..drafter.base import Drafter
 from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import TRAINER_STATE
+from ..modeling.features import capture_features
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import SamplingParams, check_generation_config
@@ -120,20 +121,12 @@ def _policy_of(unwrapped):
     return get_base() if callable(get_base) else unwrapped
 
 
-@contextlib.contextmanager
-def capture_last_hidden_state(decoder: torch.nn.Module):
-    """Collect ``decoder``'s last hidden state ([B, L, H], detached) from every forward run within the block."""
-    captured: list[torch.Tensor] = []
-
-    def hook(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        captured.append(hidden.detach())
-
-    handle = decoder.register_forward_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()
+def _rollout_engine(trainer) -> str:
+    """What generates (see ``drafter_class``): TLT's engine, TRL's colocated vLLM engine (EAGLE-1 or EAGLE-3), or a
+    ``trl vllm-serve`` server (EAGLE-1)."""
+    if not getattr(trainer, "use_vllm", False):
+        return "tlt"
+    return "vllm-eagle1" if getattr(trainer.args, "vllm_mode", "colocate") == "server" else "vllm"
 
 
 def _vllm_sampling_config(trainer) -> GenerationConfig:
@@ -184,9 +177,6 @@ class TLTGRPOTrainer(GRPOTrainer):
         args = self.args
         _check_args(args)
         self.tlt_settings = resolve_tlt_settings(args)
-        if getattr(self, "use_vllm", False) and self.tlt_settings.draft_vocab_size is None:
-            # vLLM's EAGLE-1 drafter scores the full vocabulary: train the drafter it will serve.
-            self.tlt_settings.draft_vocab_size = 0
         self._tlt_config = self.tlt_settings.tlt_config()
         self._tlt_ranks = RankGroup()
         self._tlt_generator = torch.Generator().manual_seed(int(args.seed) + self.accelerator.process_index)
@@ -222,7 +212,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         # The same fresh drafter on every rank; it drafts over the most frequent tokens of the first rollouts.
         self.drafter, self.drafter_trainer, self._tlt_draft_vocab_ready = rollout_drafter(
             policy, self.tlt_settings, int(args.seed), self.accelerator.process_index, drafter,
-            engine="vllm" if self.use_vllm else "tlt")
+            engine=_rollout_engine(self))
 
     @property
     def _tlt_trains_at_generation_end(self) -> bool:
@@ -421,12 +411,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         if not capture:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
         decoder = _policy_of(self.accelerator.unwrap_model(model)).get_decoder()
-        with capture_last_hidden_state(decoder) as captured:
+        with capture_features(decoder, self.drafter.feature_layers) as captured:
             output = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
-        features = torch.cat(captured, dim=0)
+        features = torch.cat([pair[0] for pair in captured], dim=0)
+        final = torch.cat([pair[1] for pair in captured], dim=0)
         for row, mask in enumerate(attention_mask.bool()):
-            tokens = input_ids[row][mask]
-            self.drafter_trainer.add_features(tokens, features[row][mask][:-1])
+            tokens = input_ids[row][mask]  # with the final states, an EAGLE-3 drafter learns the policy's whole law
+            self.drafter_trainer.add_features(tokens, features[row][mask][:-1], final[row][mask])
         return output
 
     # ------------------------------------------------------------------ drafter updates

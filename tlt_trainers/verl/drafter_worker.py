@@ -136,7 +136,7 @@ class DrafterOwner:
             section = dataclasses.replace(section, draft_vocab_size=0)
         self.settings = section
         self.drafter, self.trainer, self.draft_vocab_ready = rollout_drafter(self.shell, section, section.seed,
-                                                                             engine="vllm")
+                                                                             engine="vllm-eagle1")
         self.full_vocab_head = self.drafter.config.uses_draft_vocab
         self.version = 0  # bumps with every training call that stepped and every load
         self.export_dir = export_dir
