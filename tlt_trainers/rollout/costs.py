@@ -120,7 +120,7 @@ def _draft_runs(target, drafter, batch: int, widths: list[int], context: int) ->
     for width in widths:
         slots = context + torch.arange(width, device=device).expand(batch, -1)
         mask = additive_mask(attention_allowed(state, slots, context + width), target.dtype)
-        hidden = torch.zeros(batch, width, drafter.config.hidden_size, dtype=target.dtype, device=device)
+        hidden = torch.zeros(batch, width, drafter.feature_size, dtype=target.dtype, device=device)
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
 
         def run(hidden=hidden, tokens=tokens, slots=slots, mask=mask, width=width):
