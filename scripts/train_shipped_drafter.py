@@ -2,6 +2,7 @@
 
     python scripts/train_shipped_drafter.py sample --prompts 2400      # the policy's answers, with vLLM (plain)
     python scripts/train_shipped_drafter.py train --minutes 40          # EAGLE-3 on them; writes the shipped folder
+    python scripts/train_shipped_drafter.py finish                      # (again) bf16, held-out acceptance, card
 
 Data: the embedded policy's sampled answers (temperatures 0.6, 0.8, 1.0, and greedy) to reasoning-gym questions of
 20 tasks with two instructions ("think step by step", "only the final answer"), plus general chat requests built
@@ -123,7 +124,9 @@ def finish(drafter, model, tokenizer, info: dict, args) -> None:
     from tlt_trainers.warmup import measure_acceptance
 
     drafter.config.target_name_or_path = POLICY
-    drafter.save_pretrained(args.out)
+    # Shipped in bfloat16 (half the bytes in the wheel); measured as it ships: rounded, then back in the policy's dtype
+    drafter.to(torch.bfloat16).save_pretrained(args.out)
+    drafter.to(model.get_output_embeddings().weight.dtype)
     Path(args.out, FINGERPRINT).write_text(json.dumps(policy_fingerprint(model), indent=2) + "\n")
     prompts = prompt_mix(tokenizer, args.eval_prompts, seed=7, topics=EVAL_CHAT_TOPICS)
     acceptance = {}
@@ -144,6 +147,16 @@ def finish(drafter, model, tokenizer, info: dict, args) -> None:
     print(f"saved {args.out}")
 
 
+def finish_saved(args) -> None:
+    """Redo :func:`finish` for the drafter already trained into ``--out`` (its training.json kept)."""
+    from tlt_trainers import Drafter
+    from tlt_trainers.pretrained import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    drafter = Drafter.from_pretrained(args.out, target=model)
+    finish(drafter, model, tokenizer, json.loads(Path(args.out, "training.json").read_text()), args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,8 +174,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the model card's acceptance")
     p.add_argument("--out", default=str(SHIPPED))
+    p = sub.add_parser("finish", help="round the trained drafter to bfloat16, measure it, write its model card")
+    p.add_argument("--eval-prompts", type=int, default=16)
+    p.add_argument("--out", default=str(SHIPPED))
     args = parser.parse_args()
-    sample(args) if args.command == "sample" else train(args)
+    {"sample": sample, "train": train, "finish": finish_saved}[args.command](args)
 
 
 if __name__ == "__main__":
