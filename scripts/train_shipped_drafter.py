@@ -125,8 +125,8 @@ def finish(drafter, model, tokenizer, info: dict, args) -> None:
 
     drafter.config.target_name_or_path = POLICY
     # Shipped in bfloat16 (half the bytes in the wheel); measured as it ships: rounded, then back in the policy's dtype
-    drafter.to(torch.bfloat16).save_pretrained(args.out)
-    drafter.to(model.get_output_embeddings().weight.dtype)
+    dtype = model.get_output_embeddings().weight.dtype
+    drafter.to(torch.bfloat16).to(dtype)
     Path(args.out, FINGERPRINT).write_text(json.dumps(policy_fingerprint(model), indent=2) + "\n")
     prompts = prompt_mix(tokenizer, args.eval_prompts, seed=7, topics=EVAL_CHAT_TOPICS)
     acceptance = {}
@@ -141,9 +141,10 @@ def finish(drafter, model, tokenizer, info: dict, args) -> None:
                 "steps": info["steps"], "tokens trained": info["tokens_trained"],
                 "minutes": round(info["train_seconds"] / 60, 1), "unroll (training-time test)": info["unroll_steps"],
                 "reproduce": info["command"]}
-    drafter.save_pretrained(args.out, model_card={"policy_name": POLICY, "acceptance": acceptance,
-                                                  "num_speculative_tokens": 4, "training": training,
-                                                  "license": "apache-2.0"})
+    drafter.to(torch.bfloat16).save_pretrained(args.out, model_card={
+        "policy_name": POLICY, "acceptance": acceptance, "num_speculative_tokens": 4, "training": training,
+        "license": "apache-2.0"})
+    drafter.to(dtype)
     print(f"saved {args.out}")
 
 

@@ -194,3 +194,33 @@ def test_chunked_and_dense_training_losses_agree(model, rollouts):
     expected = torch.autograd.grad(dense, list(drafter.parameters()))
     assert torch.allclose(chunked, dense, atol=1e-5) and metrics["top1_by_step"] == dense_metrics["top1_by_step"]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected))
+
+
+def test_a_new_draft_vocabulary_keeps_the_trained_rows(model):
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS, draft_vocab_size=16)
+    drafter.set_draft_vocab(torch.arange(10, 26))
+    with torch.no_grad():
+        drafter.lm_head.weight.fill_(7.0)  # "trained"
+    drafter.set_draft_vocab(torch.arange(18, 34))
+    assert (drafter.lm_head.weight[:8] == 7.0).all()  # tokens 18..25 stayed
+    assert torch.equal(drafter.lm_head.weight[8:], model.get_output_embeddings().weight[26:34])
+
+
+def test_features_of_the_wrong_layers_are_refused_with_the_fix(model):
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    trainer = DrafterTrainer(drafter, model)
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))  # no drafter: final states
+    ids, mask = padded_prompts([4, 5], seed=5)
+    with pytest.raises(ValueError, match="feature_layers=drafter.feature_layers"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                        feature_sink=trainer.add_features)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                    feature_sink=trainer.add_features, feature_layers=drafter.feature_layers)
+    assert len(trainer.buffer) == 2 and trainer.buffer.sequences[0].features.shape[1] == 96
+
+
+def test_aux_layers_are_three_increasing_ids(model):
+    with pytest.raises(ValueError, match="three distinct policy layers"):
+        Eagle3Drafter.from_target(model, aux_layer_ids=[3, 1, 5])
+    with pytest.raises(ValueError, match="three distinct policy layers"):
+        Eagle3Drafter.from_target(model, aux_layer_ids=[1, 5])

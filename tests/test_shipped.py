@@ -48,5 +48,7 @@ def test_trainers_start_from_the_shipped_drafter_unless_told_otherwise(shelf):
     assert isinstance(eagle1_only, EagleDrafter) and not eagle1_only.config.uses_draft_vocab  # vLLM's EAGLE-1
     with pytest.raises(ValueError, match="serves and reloads EAGLE-1"):
         rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle3"), seed=0, engine="vllm-eagle1")
+    with pytest.raises(ValueError, match="serves EAGLE-1 drafters, but the drafter is a Eagle3Drafter"):
+        rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm-eagle1", drafter=drafter)
     eagle1, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle"), seed=0)
     assert isinstance(eagle1, EagleDrafter)

@@ -37,6 +37,9 @@ def test_exports_name_what_each_engine_reads(tmp_path):
     assert tensors["t2d"].sum() == 16 and tensors["t2d"][10:26].all()
     assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 32 and tensors["fc.weight"].shape == (32, 96)
     assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (16, 32)
+    full = Eagle3Drafter.from_target(policy, aux_layer_ids=[1, 3, 5])  # no draft vocabulary: vLLM expects no map
+    full_tensors = load_file(export_eagle3_vllm(full, tmp_path / "f", "tiny/policy") / "model.safetensors")
+    assert "d2t" not in full_tensors and "t2d" not in full_tensors
     sglang = json.loads((export_eagle3_sglang(drafter, tmp_path / "s", policy) / "config.json").read_text())
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang captures id + 1

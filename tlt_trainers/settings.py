@@ -40,16 +40,17 @@ class DrafterSettings:
         default=None,
         metadata={"help": "Drafter to start from: a folder written by save_pretrained (or by `tlt warmup-drafter`) "
                   "or a Hub repo id. None: the drafter shipped with tlt-trainers for this policy where there is one "
-                  "(SmolLM2-135M-Instruct, however it was loaded; TLT's own engine), else a fresh drafter sized for "
-                  "the policy, which learns from the rollouts. 'fresh': always a fresh drafter."},
+                  "(SmolLM2-135M-Instruct, however it was loaded; an EAGLE-3 drafter, so not where the rollout "
+                  "serves EAGLE-1 only), else a fresh drafter sized for the policy, which learns from the rollouts. "
+                  "'fresh': always a fresh drafter."},
     )
     drafter_architecture: str = field(
         default="auto",
         metadata={"help": "Architecture of a fresh drafter: 'eagle3' (reads a fusion of a low, a middle and a high "
                   "layer of the policy and predicts tokens with its own head: EAGLE-3), 'eagle' (reads the last "
                   "hidden state: EAGLE-1), or 'auto': EAGLE-3 where the policy has at least 6 layers and the "
-                  "rollout engine serves it (TLT's own engine; vLLM serves EAGLE-1), else EAGLE-1. A drafter loaded "
-                  "from drafter_name_or_path keeps its own architecture."},
+                  "rollout engine serves it (TLT's engine, TRL's colocated vLLM; TRL's vLLM server mode and veRL's "
+                  "vLLM rollout serve EAGLE-1), else EAGLE-1. A loaded drafter keeps its own architecture."},
     )
     draft_vocab_size: int | None = field(
         default=None,

@@ -152,7 +152,7 @@ def warmup_drafter(
             res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=temperature > 0, temperature=temperature or 1.0, eos_token_id=eos,
                                   pad_token_id=pad, generator=torch.Generator().manual_seed(seed + offset),
-                                  feature_sink=trainer.add_features)
+                                  feature_sink=trainer.add_features, feature_layers=drafter.feature_layers)
             report.answer_tokens += res.stats.generated_tokens
     report.sampling_seconds = time.perf_counter() - start
     log(f"sampled {report.answer_tokens} answer tokens from {len(prompts)} prompts in {report.sampling_seconds:.0f}s")

@@ -18,7 +18,8 @@ class BufferedSequence:
     tokens: torch.Tensor  # [L + 1]: tokens[t + 1] follows features[t]
     features: torch.Tensor  # [L, F] the policy's features the drafter reads (final hidden states for EAGLE-1)
     # The policy's next-token law at t + 1 (what a draft made at t should match), computed once when the sequence
-    # arrives: its top-k token ids [L, k] and probabilities [L, k]; the last row is empty. None: train on tokens.
+    # arrives: its top-k token ids [L, k] and probabilities [L, k] (the last row: the law after the last token).
+    # None: train on the tokens themselves.
     target_ids: torch.Tensor | None = None
     target_probs: torch.Tensor | None = None
 

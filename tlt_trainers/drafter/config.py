@@ -41,8 +41,11 @@ class EagleDrafterConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture={self.architecture!r}: choose one of {ARCHITECTURES}.")
-        if self.architecture == "Eagle3Drafter" and not self.aux_layer_ids:
-            raise ValueError("An Eagle3Drafter config needs aux_layer_ids (the policy layers it reads).")
+        if self.architecture == "Eagle3Drafter":
+            ids = list(self.aux_layer_ids or [])
+            if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
+                raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: an Eagle3Drafter reads three distinct policy "
+                                 "layers in increasing order (low, middle, high), as vLLM and SGLang do.")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}] or None."

@@ -9,7 +9,8 @@ What differs from EAGLE-1 (:class:`~tlt_trainers.drafter.eagle.EagleDrafter`):
   over the draft vocabulary, which start as the policy's final norm and head rows.
 
 Module names and the computation follow vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``), so the export
-(:func:`tlt_trainers.drafter.export.export_eagle3`) is a renaming, and what vLLM serves is what was trained here.
+(:func:`tlt_trainers.drafter.export_eagle3.export_eagle3_vllm`) is a renaming, and what vLLM serves is what was
+trained here.
 """
 
 from __future__ import annotations
@@ -91,11 +92,19 @@ class Eagle3Drafter(Drafter):
             self.lm_head.weight.copy_(rows)
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft over ``token_ids``; the head's rows are re-taken from the policy's head for the new tokens."""
-        super().set_draft_vocab(token_ids)
-        if self._target is not None:
-            with torch.no_grad():
-                self.lm_head.weight.copy_(self.target.head.weight[self.d2t])
+        """Draft over ``token_ids``: tokens already drafted keep their trained head rows, new ones start from the
+        policy's head rows."""
+        old_ids = None if self.d2t is None else self.d2t.clone()
+        old_rows = self.lm_head.weight.detach().clone()
+        super().set_draft_vocab(token_ids)  # refuses a drafter without a draft vocabulary
+        if self._target is None:
+            return
+        with torch.no_grad():
+            rows = self.target.head.weight[self.d2t].to(old_rows.dtype)
+            position = torch.searchsorted(old_ids, self.d2t).clamp(max=len(old_ids) - 1)
+            kept = old_ids[position] == self.d2t
+            rows[kept] = old_rows[position[kept]]
+            self.lm_head.weight.copy_(rows)
 
     def _check_policy(self, model: nn.Module) -> None:
         layers = text_config(model).num_hidden_layers

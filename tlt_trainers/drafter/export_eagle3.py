@@ -29,8 +29,8 @@ from .export import _dtype_name, _embed_scale, _llama_config, _max_positions, _n
 
 
 def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The drafter's tensors by the names both engines read (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``
-    as offsets, ``t2d``), on CPU in ``dtype`` (default: the drafter's)."""
+    """The drafter's tensors by the names both engines read (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, and with
+    a draft vocabulary ``d2t`` as offsets and ``t2d``), on CPU in ``dtype`` (default: the drafter's)."""
     if _embed_scale(drafter.target.embed) is not None:
         raise ValueError("The policy scales its embedding (Gemma): vLLM and SGLang hand an EAGLE-3 drafter the "
                          "unscaled embedding and run EAGLE-3 for Llama and Qwen3 policies only. Serve this drafter "
@@ -38,10 +38,11 @@ def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> 
     dtype = dtype or drafter.fc.weight.dtype
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in drafter.state_dict().items() if name != "d2t"}
-    vocab, size = drafter.config.vocab_size, drafter.draft_vocab_size
-    d2t = drafter.d2t.cpu() if drafter.d2t is not None else torch.arange(vocab)
-    tensors["d2t"] = (d2t - torch.arange(size)).contiguous()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
+    if drafter.d2t is None:  # the full vocabulary: the engines expect no map (vLLM has no parameter for one)
+        return tensors
+    d2t = drafter.d2t.cpu()
+    tensors["d2t"] = (d2t - torch.arange(len(d2t))).contiguous()
+    t2d = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
     t2d[d2t] = True
     tensors["t2d"] = t2d
     return tensors

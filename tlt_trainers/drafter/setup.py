@@ -99,6 +99,10 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
             if engine != "tlt" and kind is EagleDrafter and requested is None:
                 requested = 0  # vLLM's EAGLE-1 drafter scores the full vocabulary: train the drafter it will serve
             drafter = kind.from_target(policy, draft_vocab_size=draft_vocab_size(requested, head.shape[0]))
+    if engine == "vllm-eagle1" and not isinstance(drafter, EagleDrafter):
+        raise ValueError(f"This vLLM rollout (TRL's server mode or veRL's vLLM rollout) serves EAGLE-1 drafters, but "
+                         f"the drafter is a {type(drafter).__name__}: start from an EagleDrafter (drafter_name_or_path "
+                         "of one, or 'fresh'), or use TRL's colocated vLLM engine, which serves EAGLE-3.")
     drafter.eval()
     trainer = DrafterTrainer(drafter, policy, lr=settings.drafter_lr,
                              micro_batch_size=settings.drafter_micro_batch_size,

@@ -186,9 +186,17 @@ class DrafterTrainer:
         tokens, lets a token-only (EAGLE-3) drafter learn the policy's whole next-token law instead of the one
         token that was drawn from it.
         """
+        if features.shape[-1] != self.drafter.feature_size:
+            raise ValueError(
+                f"Features of width {features.shape[-1]} for a drafter that reads {self.drafter.feature_size} per "
+                f"token (layers {self.drafter.feature_layers or 'final'}): pass feature_layers=drafter.feature_layers "
+                "to SpeculativeGenerator.generate when its engine has no drafter or another one."
+            )
+        start = max(0, features.shape[0] - self.buffer.max_tokens)  # the window the buffer keeps
+        tokens, features = tokens[start:], features[start:]
         targets = None
         if final is not None and not regresses_features(self.drafter):
-            targets = policy_targets(self.target, final[1:])
+            targets = policy_targets(self.target, final[start + 1 :])
         self.buffer.add(tokens, features, targets)
 
     def rebuild_draft_vocab(self) -> torch.Tensor | None:

@@ -119,20 +119,23 @@ class SpeculativeGenerator:
         generator: torch.Generator | None = None,
         feature_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         history_keys: list | None = None,
+        feature_layers: tuple[int, ...] | None = None,
         **unsupported,
     ) -> GenerationResult:
         """Sample completions exactly as ``model.generate`` with the same settings would.
 
-        ``feature_sink(tokens [L + 1], features [L, H])`` receives each finished row (prompt and completion)
-        with the policy's hidden states from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
-        drafter trains on fresh rollouts without another policy forward.
+        ``feature_sink(tokens [L + 1], features [L, F])`` receives each finished row (prompt and completion)
+        with the policy's features from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
+        drafter trains on fresh rollouts without another policy forward. The features are the ones the engine's
+        drafter reads (its ``feature_layers``); ``feature_layers`` sets them where the engine has no drafter or
+        the sink trains another one (``drafter.feature_layers``; None with no drafter: final hidden states).
 
         ``history_keys`` (one hashable per row) groups rows whose rollouts propose drafts for each other;
         by default rows with the same prompt form a group (GRPO's siblings, and the same prompt in later steps).
         """
         return self.start(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
                           repetition_penalty, eos_token_id, pad_token_id, generator, feature_sink, history_keys,
-                          **unsupported).run()
+                          feature_layers, **unsupported).run()
 
     @torch.no_grad()
     def start(
@@ -151,14 +154,17 @@ class SpeculativeGenerator:
         generator: torch.Generator | None = None,
         feature_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         history_keys: list | None = None,
+        feature_layers: tuple[int, ...] | None = None,
         **unsupported,
     ) -> Rollout:
         """:meth:`generate`, to be driven one step at a time: ``rollout.step()`` until it returns False, then
         ``rollout.finish()``. Benchmarks interleave two engines' steps this way, so both see the same machine.
 
-        ``feature_sink(tokens [L + 1], features [L, H])`` receives each finished row (prompt and completion)
-        with the policy's hidden states from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
-        drafter trains on fresh rollouts without another policy forward.
+        ``feature_sink(tokens [L + 1], features [L, F])`` receives each finished row (prompt and completion)
+        with the policy's features from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
+        drafter trains on fresh rollouts without another policy forward. The features are the ones the engine's
+        drafter reads (its ``feature_layers``); ``feature_layers`` sets them where the engine has no drafter or
+        the sink trains another one (``drafter.feature_layers``; None with no drafter: final hidden states).
 
         ``history_keys`` (one hashable per row) groups rows whose rollouts propose drafts for each other;
         by default rows with the same prompt form a group (GRPO's siblings, and the same prompt in later steps).
@@ -200,4 +206,4 @@ class SpeculativeGenerator:
         if self.selector(params.do_sample, params.temperature) is not None:
             self.profile(input_ids.shape[0], input_ids.shape[1] + min(max_new_tokens, 128))
         return Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),
-                       pad_token_id, generator, feature_sink, keys)
+                       pad_token_id, generator, feature_sink, keys, feature_layers)

@@ -47,7 +47,7 @@ class Rollout:
     def __init__(self, engine, input_ids: torch.Tensor, pad: torch.Tensor, params: SamplingParams,
                  max_new_tokens: int, eos: torch.Tensor | None, pad_token_id: int,
                  generator: torch.Generator | None, feature_sink: Callable | None = None,
-                 history_keys: list[Hashable] | None = None):
+                 history_keys: list[Hashable] | None = None, feature_layers: tuple[int, ...] | None = None):
         self.engine, self.target, self.config = engine, engine.target, engine.config
         self.params, self.warpers = params, params.warpers()
         self.max_new, self.eos, self.pad_token_id, self.generator = max_new_tokens, eos, pad_token_id, generator
@@ -64,8 +64,13 @@ class Rollout:
         self.timer = StepTimer(self.stats, self.device)
         self.use_drafter = engine.drafter is not None and any(s.uses_drafter for s in strategies)
         # Layers the drafter's features come from (None: the final hidden state, which the pass returns anyway)
-        wants_features = self.use_drafter or feature_sink is not None
-        self.feature_layers = engine.drafter.feature_layers if engine.drafter is not None and wants_features else None
+        if feature_layers is None and engine.drafter is not None and (self.use_drafter or feature_sink is not None):
+            feature_layers = engine.drafter.feature_layers
+        elif feature_layers is not None and self.use_drafter and feature_layers != engine.drafter.feature_layers:
+            raise ValueError(f"feature_layers={feature_layers} differs from the layers the engine's drafter reads "
+                             f"({engine.drafter.feature_layers}); leave it unset to feed the sink what the drafter "
+                             "reads.")
+        self.feature_layers = tuple(feature_layers) if feature_layers is not None else None
         self.rows = self._new_rows(input_ids, pad, params)
         self.graphs = None
         graph_mode = self.config.cuda_graphs

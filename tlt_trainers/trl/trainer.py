@@ -152,8 +152,8 @@ class TLTGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose rollouts use TLT's speculative engine and whose drafter keeps up with the policy.
 
     Takes exactly GRPOTrainer's arguments. ``args`` may be a plain ``GRPOConfig`` (TLT defaults) or a
-    :class:`TLTGRPOConfig`. ``drafter`` (keyword only): an :class:`EagleDrafter` to start from, instead of
-    ``args.drafter_name_or_path`` or a fresh one.
+    :class:`TLTGRPOConfig`. ``drafter`` (keyword only): a drafter (``EagleDrafter`` or ``Eagle3Drafter``) to start
+    from, instead of ``args.drafter_name_or_path``, the drafter shipped for the policy, or a fresh one.
 
     Callbacks with a method ``on_drafter_update(args, state, control, **kwargs)`` are called after every drafter
     update with ``drafter``, ``trigger`` (``"idle"``: this rank trained while waiting for slower ranks;

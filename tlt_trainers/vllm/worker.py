@@ -59,9 +59,8 @@ def expected_drafter_shapes(hf_config, method: str = "eagle") -> dict[str, tuple
             layer + "mlp.down_proj.weight": (h, inter),
             "norm.weight": (h,),
             "lm_head.weight": (draft_vocab, h),
-            "d2t": (draft_vocab,),
-            "t2d": (int(hf_config.vocab_size),),
-        }
+        } | ({"d2t": (draft_vocab,), "t2d": (int(hf_config.vocab_size),)}
+             if draft_vocab != int(hf_config.vocab_size) else {})
     layer = "layers.0."
     return {
         "fc.weight": (h, 2 * h),
