@@ -371,7 +371,7 @@ def test_model_card(tmp_path, models):
     assert "| setting | acceptance_length | speedup |" in text
     assert "| greedy, k=4 | 1.9 | 1.16 |" in text and "| temperature 1, k=4 | 1.52 | 0.98 |" in text
     assert "drafter steps: 1200" in text and "16 of the policy's 64 tokens" in text
-    assert 'EagleDrafter.from_pretrained("someone/drafter", target=model)' in text
+    assert 'Drafter.from_pretrained("someone/drafter", target=model)' in text
     assert '"method": "eagle", "model": "drafter-vllm", "num_speculative_tokens": 4' in text
     assert "full_vocab_head=True" in text  # vLLM cannot keep the draft vocabulary
     assert "--speculative-algorithm EAGLE --speculative-draft-model-path drafter-sglang" in text
@@ -438,7 +438,7 @@ def test_push_to_hub_includes_the_card(tmp_path, monkeypatch, models):
     assert files(uploaded) == ["README.md", "config.json", "model.safetensors"]
     card = huggingface_hub.ModelCard.load(uploaded / "README.md")
     assert card.data.base_model == POLICY and "| acceptance_length | 1.8 |" in card.text
-    assert 'EagleDrafter.from_pretrained("someone/tiny-drafter", target=model)' in card.text
+    assert 'Drafter.from_pretrained("someone/tiny-drafter", target=model)' in card.text
     loaded = EagleDrafter.from_pretrained(uploaded, target=model)
     args = inputs(drafter)
     assert torch.equal(draft_logits(loaded, *args), draft_logits(drafter, *args))
