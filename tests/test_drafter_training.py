@@ -25,13 +25,11 @@ def rollouts(model):
     return seqs, torch.cat([mask, torch.ones(len(ids), 20, dtype=torch.long)], dim=1)
 
 
-def test_unrolled_steps_compute_what_chained_drafting_computes(model):
-    """Step d of forward_unrolled at position t equals the d-th chained draft step of the engine."""
-    torch.manual_seed(0)
-    drafter = EagleDrafter.from_target(model)
+def assert_unrolled_matches_chained(drafter, feature_width: int, vocab: int = 64) -> None:
+    """Step d of ``drafter.forward_unrolled`` at position t equals the d-th chained draft step of the engine."""
     length, tlen = 12, 6
-    hidden = torch.randn(1, length, 32)
-    tokens = torch.randint(3, 64, (1, length + 1))
+    hidden = torch.randn(1, length, feature_width)
+    tokens = torch.randint(3, vocab, (1, length + 1))
     positions = torch.arange(length)[None]
     with torch.no_grad():
         valid = torch.ones(1, length, dtype=torch.bool)
@@ -49,6 +47,11 @@ def test_unrolled_steps_compute_what_chained_drafting_computes(model):
             mask = additive_mask(attention_allowed(state, slot, tlen + step), torch.float32)
             feature = drafter(feature, tokens[:, tlen + step : tlen + step + 1], slot, mask, kv, slot, tlen + step)
             assert torch.allclose(feature, unrolled[step][:, tlen + step - 1 : tlen + step], atol=1e-5), step
+
+
+def test_unrolled_steps_compute_what_chained_drafting_computes(model):
+    torch.manual_seed(0)
+    assert_unrolled_matches_chained(EagleDrafter.from_target(model), feature_width=32)
 
 
 def test_unrolled_training_reports_each_step_and_keeps_the_policy_intact(model, rollouts):

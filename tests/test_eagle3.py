@@ -3,6 +3,7 @@ policy's cached top-k law, training-time test that matches chained drafting, and
 
 import pytest
 import torch
+from test_drafter_training import assert_unrolled_matches_chained
 from test_engine_sampling import engine_samples, hf_samples, two_sample_pvalue
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
@@ -10,7 +11,6 @@ from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, S
 from tlt_trainers.drafter.eagle3 import default_aux_layers
 from tlt_trainers.drafter.losses import chunked_soft_cross_entropy
 from tlt_trainers.modeling.features import capture_features
-from tlt_trainers.modeling.kv_cache import RowKV, RowState, additive_mask, attention_allowed
 
 LAYERS = [1, 3, 5]
 
@@ -69,27 +69,9 @@ def test_fresh_drafter_starts_from_the_policy_head_and_norm(model):
 
 
 def test_unrolled_steps_compute_what_chained_drafting_computes(model):
-    """Step d of forward_unrolled at position t equals the d-th chained draft step of the engine."""
+    """Step 0 reads the fused policy features [3H], later steps the drafter's own predictions [H]."""
     torch.manual_seed(0)
-    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
-    length, tlen = 12, 6
-    hidden = torch.randn(1, length, 96)
-    tokens = torch.randint(3, 64, (1, length + 1))
-    positions = torch.arange(length)[None]
-    with torch.no_grad():
-        valid = torch.ones(1, length, dtype=torch.bool)
-        unrolled = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, 3)
-        kv, state = RowKV(length), RowState(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-        slots = torch.arange(tlen)[None]
-        mask = additive_mask(attention_allowed(state, slots, tlen), torch.float32)
-        feature = drafter(hidden[:, :tlen], tokens[:, 1 : tlen + 1], slots, mask, kv, slots, tlen)[:, -1:]
-        state.length += tlen
-        assert torch.allclose(feature, unrolled[0][:, tlen - 1 : tlen], atol=1e-5)
-        for step in (1, 2):
-            slot = torch.tensor([[tlen + step - 1]])
-            mask = additive_mask(attention_allowed(state, slot, tlen + step), torch.float32)
-            feature = drafter(feature, tokens[:, tlen + step : tlen + step + 1], slot, mask, kv, slot, tlen + step)
-            assert torch.allclose(feature, unrolled[step][:, tlen + step - 1 : tlen + step], atol=1e-5), step
+    assert_unrolled_matches_chained(Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS), feature_width=96)
 
 
 def test_training_caches_the_policy_targets_and_learns(model, rollouts):
