@@ -180,6 +180,24 @@ def eagle_state_dict_to_vllm(
     return {"fc.weight": _fc_weight(state, embed_scale, dtype)} | {f"layers.0.{k}": v for k, v in layer.items()}
 
 
+def speculators_config(algorithm: str, name: str | None, verifier, num_speculative_tokens: int) -> dict:
+    """The ``speculators_config`` block of a speculators checkpoint: a greedy proposal of ``num_speculative_tokens``
+    and the verifier (``name``; its architectures when ``verifier`` is the policy module)."""
+    if not name:
+        raise ValueError("The speculators layout names its verifier: pass verifier_name_or_path (the policy's Hub id "
+                         "or path).")
+    architectures = []
+    if isinstance(verifier, nn.Module):
+        architectures = list(getattr(verifier.config, "architectures", None) or [])
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": name, "architectures": architectures},
+    }
+
+
 def _llama_config(drafter: EagleDrafter, architectures: list[str], max_positions: int, dtype: torch.dtype) -> dict:
     """The Llama fields both engines read for the drafter's decoder layer (explicit, transformers-version free)."""
     c = drafter.config
@@ -298,11 +316,6 @@ def export_vllm(
     fc = {"weight": _fc_weight(state, _embed_scale(drafter.target.embed), dtype)}
     if bias is not None:
         fc["bias"] = bias
-    if not name:
-        raise ValueError("The speculators layout names its verifier: pass verifier_name_or_path (the policy's Hub id).")
-    architectures = []
-    if isinstance(verifier_name_or_path, nn.Module):
-        architectures = list(getattr(verifier_name_or_path.config, "architectures", None) or [])
     layer_config = {k: v for k, v in llama.items() if k not in ("architectures", "torch_dtype", "logit_scale")}
     config = {
         "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
@@ -311,19 +324,7 @@ def export_vllm(
         "transformer_layer_config": layer_config,
         "layernorms": False,
         "fusion_bias": bias is not None,
-        "speculators_config": {
-            "algorithm": "eagle",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": int(num_speculative_tokens),
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": name, "architectures": architectures},
-        },
+        "speculators_config": speculators_config("eagle", name, verifier_name_or_path, num_speculative_tokens),
         "torch_dtype": _dtype_name(dtype),
     }
     if c.logit_scale != 1.0:

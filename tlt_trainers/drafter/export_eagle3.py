@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from .eagle3 import Eagle3Drafter
-from .export import _dtype_name, _embed_scale, _llama_config, _max_positions, _name_or_path, _write
+from .export import (
+    _dtype_name,
+    _embed_scale,
+    _llama_config,
+    _max_positions,
+    _name_or_path,
+    _write,
+    speculators_config,
+)
 
 
 def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -72,11 +80,6 @@ def export_eagle3_vllm(
     c = drafter.config
     dtype = dtype or drafter.fc.weight.dtype
     name = _name_or_path(verifier_name_or_path) or c.target_name_or_path
-    if not name:
-        raise ValueError("The speculators layout names its verifier: pass verifier_name_or_path (the policy's path).")
-    architectures = []
-    if isinstance(verifier_name_or_path, nn.Module):
-        architectures = list(getattr(verifier_name_or_path.config, "architectures", None) or [])
     layer = _layer_config(drafter, ["LlamaForCausalLM"], verifier_name_or_path, max_position_embeddings, dtype)
     layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "draft_vocab_size")}
     config = {
@@ -87,13 +90,7 @@ def export_eagle3_vllm(
         "draft_vocab_size": drafter.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": name, "architectures": architectures},
-        },
+        "speculators_config": speculators_config("eagle3", name, verifier_name_or_path, num_speculative_tokens),
         "torch_dtype": _dtype_name(dtype),
     }
     out = Path(out_dir)
