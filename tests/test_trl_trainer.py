@@ -239,10 +239,6 @@ def test_settings_that_cannot_be_honoured_fail_at_construction(tmp_path):
         TLTGRPOTrainer(model=policy(), reward_funcs=length_reward,
                        args=GRPOConfig(**grpo_kwargs(tmp_path), use_vllm=True, vllm_mode="server"),
                        train_dataset=prompt_dataset(), processing_class=char_tokenizer())
-    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
-        TLTGRPOTrainer(model=policy(), reward_funcs=length_reward,
-                       args=GRPOConfig(**grpo_kwargs(tmp_path), generation_kwargs={"no_repeat_ngram_size": 2}),
-                       train_dataset=prompt_dataset(), processing_class=char_tokenizer())
     with pytest.raises(ValueError, match="speculation"):
         TLTGRPOConfig(**grpo_kwargs(tmp_path), speculation="sometimes")
 

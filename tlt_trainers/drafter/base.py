@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..modeling.kv_cache import RowKV
+from ..modeling.target import compute_dtype
 from .config import WEIGHTS_NAME, EagleDrafterConfig
 
 
@@ -135,9 +136,10 @@ class Drafter(nn.Module, ABC):
         if self._target is None or self.target.head is not model.get_output_embeddings():
             self.bind(model)
         mine, theirs = next(self.parameters()), model.get_output_embeddings().weight
-        if mine.device != theirs.device or mine.dtype != theirs.dtype:
+        dtype = compute_dtype(model)
+        if mine.device != theirs.device or mine.dtype != dtype:
             raise ValueError(
-                f"Drafter is on {mine.device}/{mine.dtype} but the policy on {theirs.device}/{theirs.dtype}: "
+                f"Drafter is on {mine.device}/{mine.dtype} but the policy on {theirs.device}/{dtype}: "
                 "call drafter.to(device=..., dtype=...) to match."
             )
         return self
@@ -232,8 +234,7 @@ class Drafter(nn.Module, ABC):
                 f"Drafter weights at {weights} do not match its config (missing {missing}, unexpected {unexpected})."
             )
         if target is not None:
-            weight = target.get_output_embeddings().weight
-            drafter.to(device=weight.device, dtype=weight.dtype)
+            drafter.to(device=target.get_output_embeddings().weight.device, dtype=compute_dtype(target))
             drafter.bind(target)
         return drafter
 

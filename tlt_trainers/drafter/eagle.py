@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modeling.kv_cache import RowKV
-from ..modeling.target import apply_logit_transform, logit_transform, text_config
+from ..modeling.target import apply_logit_transform, compute_dtype, logit_transform, text_config
 from .base import Drafter
 from .config import EagleDrafterConfig
 
@@ -165,8 +165,7 @@ def new_drafter(cls, model: nn.Module, extra: dict, overrides: dict):
         raise TypeError(f"{cls.__name__}.from_target got unknown settings {unknown}.")
     values.update(overrides)
     drafter = cls(EagleDrafterConfig(**values))
-    weight = model.get_output_embeddings().weight
-    drafter.to(device=weight.device, dtype=weight.dtype)
+    drafter.to(device=model.get_output_embeddings().weight.device, dtype=compute_dtype(model))
     drafter.bind(model)
     return drafter
 
@@ -250,5 +249,6 @@ class EagleDrafter(Drafter):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
-        logits = F.linear(predicted, self.head_weight()).to(torch.float32)
+        weight = self.head_weight()
+        logits = F.linear(predicted.to(weight.dtype), weight).to(torch.float32)
         return apply_logit_transform(logits, self.config.final_logit_softcapping, self.config.logit_scale)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modeling.target import text_config
+from ..modeling.target import compute_dtype, text_config
 from .base import Drafter
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
@@ -90,7 +90,7 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if drafter is not None:
-            drafter = drafter.to(device=head.device, dtype=head.dtype).bind(policy)
+            drafter = drafter.to(device=head.device, dtype=compute_dtype(policy)).bind(policy)
         elif source is not None:
             drafter = Drafter.from_pretrained(source, target=policy)
         else:

@@ -20,6 +20,12 @@ def text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the policy's layers compute in: its input embedding's (the LM head may differ, e.g. TRL's
+    ``cast_lm_head_to_fp32`` keeps a float32 head on a bfloat16 model)."""
+    return model.get_input_embeddings().weight.dtype
+
+
 def logit_transform(config) -> tuple[float | None, float]:
     """(soft-cap, scale) applied to ``lm_head`` output by the model's forward (Gemma, Cohere, Granite)."""
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -59,7 +65,11 @@ class TargetModel:
         self.sliding_window = getattr(self.config, "sliding_window", None) if has_sliding else None
         self._checked = False
         head = self.head
-        self._head_as_weight_times_hidden = (type(head) is nn.Linear and head.bias is None
+        self._dtype = compute_dtype(model)
+        # The head's own forward where it is not a plain Linear in the layers' dtype (e.g. a float32 head casting
+        # its input: TRL's cast_lm_head_to_fp32).
+        self._head_as_weight_times_hidden = (type(head) is nn.Linear and head.bias is None and "forward" not in
+                                             vars(head) and head.weight.dtype == self._dtype
                                              and head.weight.device.type == "cpu")
         self._cpu_paths = CpuDecodePaths(self.decoder, self.config)
 
@@ -69,7 +79,7 @@ class TargetModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.head.weight.dtype
+        return self._dtype
 
     @property
     def vocab_size(self) -> int:

@@ -118,18 +118,28 @@ class SamplingParams:
         return warpers
 
 
-def check_generation_config(generation_config) -> None:
-    """Refuse a model whose generation_config would make ``generate`` apply processors we do not mirror."""
+def unsupported_generation_setting(generation_config) -> tuple[str, object, object] | None:
+    """The first setting of ``generation_config`` that makes ``generate`` do something the engine does not
+    reproduce, as (name, value, the value that switches it off); None if there is none."""
     if generation_config is None:
-        return
+        return None
     for key, (takes_effect, neutral) in _UNSUPPORTED_GENERATION_KEYS.items():
         value = getattr(generation_config, key, None)
         if takes_effect(value):
-            raise ValueError(
-                f"The model's generation_config sets {key}={value!r}, which SpeculativeGenerator does not "
-                f"reproduce; set model.generation_config.{key} = {neutral!r} (and pass it to model.generate "
-                "too) so both sample from the same distribution."
-            )
+            return key, value, neutral
+    return None
+
+
+def check_generation_config(generation_config) -> None:
+    """Refuse a model whose generation_config would make ``generate`` apply processors we do not mirror."""
+    unsupported = unsupported_generation_setting(generation_config)
+    if unsupported is not None:
+        key, value, neutral = unsupported
+        raise ValueError(
+            f"The model's generation_config sets {key}={value!r}, which SpeculativeGenerator does not "
+            f"reproduce; set model.generation_config.{key} = {neutral!r} (and pass it to model.generate "
+            "too) so both sample from the same distribution."
+        )
 
 
 def apply_repetition_penalty(scores: torch.Tensor, presence: torch.Tensor, penalty: float) -> torch.Tensor:
