@@ -32,6 +32,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_scripts.common import Recorder, char_tokenizer, grpo_kwargs, length_reward, policy, prompt_dataset  # noqa: E402
 
 from tlt_trainers import TLTGRPOConfig, TLTGRPOTrainer  # noqa: E402
+from tlt_trainers.modeling.target import compute_dtype  # noqa: E402
 
 # Logged values that depend only on the completions and the optimisation (not on timing or on TLT's own counters).
 DETERMINISTIC_PREFIXES = ("loss", "reward", "rewards/", "completions/", "kl", "entropy", "clip_ratio", "grad_norm",
@@ -297,14 +298,14 @@ def test_speculation_resumes_where_the_settings_allow(tmp_path):
     assert step_logs[0]["tlt/draft_tokens"] == 0 and step_logs[1]["tlt/draft_tokens"] > 0
 
 
-def test_cast_lm_head_to_fp32_has_the_stock_outcome(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
+def test_cast_lm_head_to_fp32_has_the_stock_outcome(tmp_path, kind):
     def bf16_policy():
-        model = policy().to(torch.bfloat16)
-        return model
+        return tiny_model(kind, logit_scale=4.0).to(torch.bfloat16)
 
     stock, ours = compare(tmp_path, model_factory=bf16_policy, config={"cast_lm_head_to_fp32": True}, tlt=ALWAYS)
     head = ours[0].model.get_output_embeddings()
-    assert head.weight.dtype == torch.float32 and ours[0].model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert head.weight.dtype == torch.float32 and compute_dtype(ours[0].model) == torch.bfloat16
     assert sum(log.get("tlt/draft_tokens", 0) for log in ours[1].logs) > 0  # speculated, with TRL's fp32 head
 
 

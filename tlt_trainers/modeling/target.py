@@ -21,8 +21,14 @@ def text_config(model: nn.Module):
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the policy's layers compute in: its input embedding's (the LM head may differ, e.g. TRL's
-    ``cast_lm_head_to_fp32`` keeps a float32 head on a bfloat16 model)."""
+    """The dtype the policy's layers compute in: that of its first decoder layer's floating-point weights. The LM
+    head may differ (TRL's ``cast_lm_head_to_fp32`` keeps a float32 head on a bfloat16 model), and so may a tied
+    input embedding, which then shares the head's float32 weight."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is not None and len(layers) > 0:
+        for param in layers[0].parameters():
+            if param.is_floating_point():
+                return param.dtype
     return model.get_input_embeddings().weight.dtype
 
 
