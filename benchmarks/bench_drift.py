@@ -1,18 +1,22 @@
-"""Drift on SmolLM2-135M-Instruct: the policy moves, the stale drafter loses acceptance, online updates win it back.
+"""Drift on SmolLM2-135M-Instruct: the policy keeps moving; a frozen drafter falls behind, online updates keep up.
 
-    python benchmarks/bench_drift.py [--drafter DIR] [--quick]
+    python benchmarks/bench_drift.py [--drafter DIR] [--rounds 4] [--update-steps N] [--quick]
 
-1. Start from a warmed-up drafter (``bench_warmup.py`` saves one; without it a short warm-up runs here).
-2. Measure acceptance on reasoning-gym arithmetic prompts (greedy and temperature 1.0).
-3. Move the policy: a few SFT steps teaching it a new answer style on that task (as RL moves it).
-4. Measure the stale drafter; then update it on fresh rollouts of the moved policy, whose hidden states
-   come from the engine's own passes (no extra forward), for a short time budget; measure again.
+1. Start from the drafter shipped for SmolLM2-135M-Instruct (or ``--drafter DIR``, any saved drafter): two copies,
+   one frozen, one updated online.
+2. Measure both on reasoning-gym arithmetic prompts (greedy and temperature 1.0): the aligned starting point.
+3. Each round moves the policy further (SFT steps teaching it a new answer style on that task, as RL moves it),
+   then measures the frozen drafter and the online one before its update (both stale), rolls out fresh prompts of
+   the moved policy with TLT's engine (the online drafter's features come from the engine's own passes, no extra
+   forward), trains the online drafter for a time budget with the rollout's default drafter settings
+   (``DrafterSettings``) and measures it again.
 Writes benchmarks/results/bench_drift[_quick].json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -22,11 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_results  # noqa: E402
 
-from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
-from tlt_trainers.pretrained import cache_root, load_smollm2  # noqa: E402
-from tlt_trainers.warmup import chat_prompt, measure_acceptance, warmup_drafter  # noqa: E402
+from tlt_trainers import Drafter, DrafterTrainer, SpeculativeGenerator, TLTConfig  # noqa: E402
+from tlt_trainers.pretrained import load_smollm2  # noqa: E402
+from tlt_trainers.settings import DrafterSettings  # noqa: E402
+from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
+from tlt_trainers.warmup import chat_prompt, measure_acceptance  # noqa: E402
 
 TASK = "basic_arithmetic"
+TEMPERATURES = (("greedy", 0.0), ("t1.0", 1.0))
 
 
 def task_items(count: int, seed: int):
@@ -42,13 +49,13 @@ def styled_answer(item) -> str:
             f"The result is {item['answer']}. So the final answer is {item['answer']}.")
 
 
-def move_policy(model, tok, items, steps: int, lr: float, batch_size: int = 4) -> list[float]:
-    """SFT steps on (prompt, styled answer) pairs, loss on the answer only; returns the losses."""
+def move_policy(model, tok, items, steps: int, lr: float, batch_size: int = 4, offset: int = 0) -> list[float]:
+    """SFT steps on (prompt, styled answer) pairs from ``items[offset:]``, loss on the answer only; the losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for step in range(steps):
-        batch = [items[(step * batch_size + i) % len(items)] for i in range(batch_size)]
+        batch = [items[(offset + step * batch_size + i) % len(items)] for i in range(batch_size)]
         prompts = [chat_prompt(tok, item["question"]) for item in batch]
         texts = [p + styled_answer(item) + tok.eos_token for p, item in zip(prompts, batch)]
         enc = tok(texts, return_tensors="pt", padding=True)
@@ -67,73 +74,91 @@ def move_policy(model, tok, items, steps: int, lr: float, batch_size: int = 4) -
     return losses
 
 
+def roll_out(model, tok, drafter, trainer, prompts: list[str], seed: int, max_new_tokens: int = 96) -> int:
+    """Sample the moved policy's answers with TLT's engine, features to ``trainer``; the answer tokens."""
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=4))
+    tokens = 0
+    for offset in range(0, len(prompts), 16):
+        enc = tok(prompts[offset : offset + 16], return_tensors="pt", padding=True)
+        res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
+                              do_sample=True, temperature=1.0, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(seed + offset),
+                              feature_sink=trainer.add_features)
+        tokens += res.stats.generated_tokens
+    return tokens
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--drafter", default=None, help="warmed drafter dir (default: the one bench_warmup saved)")
-    p.add_argument("--sft-steps", type=int, default=None, help="default 24 (quick: 12)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--update-seconds", type=float, default=None, help="drafter update budget, default 180 (quick 60)")
-    p.add_argument("--rollout-prompts", type=int, default=None, help="fresh rollouts, default 48 (quick: 16)")
+    p.add_argument("--drafter", default=None, help="a saved drafter (default: the one shipped for SmolLM2)")
+    p.add_argument("--rounds", type=int, default=None, help="policy moves, each followed by an update (default 4, "
+                   "quick 2)")
+    p.add_argument("--sft-steps", type=int, default=12, help="SFT steps per round")
+    p.add_argument("--lr", type=float, default=1e-4, help="the policy's SFT learning rate")
+    p.add_argument("--update-seconds", type=float, default=None, help="drafter update per round, default 120 "
+                   "(quick 45)")
+    p.add_argument("--update-steps", type=int, default=None, help="drafter update per round in micro-steps instead of "
+                   "seconds (the same training whatever else loads the CPU)")
+    p.add_argument("--rollout-prompts", type=int, default=None, help="fresh rollouts per round, default 32 "
+                   "(quick 16)")
     p.add_argument("--eval-prompts", type=int, default=8)
     args = p.parse_args()
-    sft_steps = args.sft_steps or (12 if args.quick else 24)
-    update_seconds = args.update_seconds if args.update_seconds is not None else (60 if args.quick else 180)
-    n_rollouts = args.rollout_prompts or (16 if args.quick else 48)
+    rounds = args.rounds or (2 if args.quick else 4)
+    update_seconds = args.update_seconds if args.update_seconds is not None else (45 if args.quick else 120)
+    n_rollouts = args.rollout_prompts or (16 if args.quick else 32)
 
     model, tok = load_smollm2()
-    warm_dir = Path(args.drafter) if args.drafter else cache_root() / "drafters" / "warm"
-    if (warm_dir / "config.json").is_file():
-        drafter = EagleDrafter.from_pretrained(warm_dir, target=model)
-        print(f"drafter from {warm_dir}")
-    else:
-        from tlt_trainers.warmup import reasoning_gym_prompts
-
-        print(f"no warmed drafter at {warm_dir}: warming one up briefly")
-        drafter, _ = warmup_drafter(model, tok, reasoning_gym_prompts(tok, 32, seed=1000), max_new_tokens=128,
-                                    train_seconds=60, eval_prompts=None)
+    source = Path(args.drafter) if args.drafter else shipped_drafter_for(model)
+    if source is None:
+        raise SystemExit("no drafter is shipped for this policy: pass --drafter DIR (e.g. from `tlt warmup-drafter`)")
+    frozen = Drafter.from_pretrained(source, target=model).eval()
+    online = Drafter.from_pretrained(source, target=model).eval()
+    print(f"drafter {type(online).__name__} from {source}")
+    settings = DrafterSettings()
+    trainer = DrafterTrainer(online, model, lr=settings.drafter_lr, unroll_steps=settings.drafter_unroll_steps,
+                             micro_batch_size=settings.drafter_micro_batch_size,
+                             precision=settings.drafter_precision, show_progress=False)
 
     eval_prompts = [chat_prompt(tok, item["question"]) for item in task_items(args.eval_prompts, seed=7)]
+    sft_items = task_items(rounds * args.sft_steps * 4, seed=3)
 
-    def measure() -> dict:
-        return {name: measure_acceptance(model, tok, drafter, eval_prompts, max_new_tokens=48, temperature=t)
-                ["acceptance_length"] for name, t in (("greedy", 0.0), ("t1.0", 1.0))}
+    def measure(drafter) -> dict:
+        return {name: round(measure_acceptance(model, tok, drafter, eval_prompts, max_new_tokens=48,
+                                               temperature=t)["acceptance_length"], 3) for name, t in TEMPERATURES}
 
-    aligned = measure()
-    print(f"aligned policy: {aligned}")
-    start = time.perf_counter()
-    losses = move_policy(model, tok, task_items(256, seed=3), sft_steps, args.lr)
-    sft_seconds = time.perf_counter() - start
-    print(f"policy moved by {sft_steps} SFT steps in {sft_seconds:.0f}s (loss {losses[0]:.2f} -> {losses[-1]:.2f})")
-    stale = measure()
-    print(f"stale drafter: {stale}")
+    start = measure(frozen)
+    history = [{"round": 0, "sft_steps": 0, "frozen": start, "online_before": start, "online_after": start}]
+    print(f"round 0 (aligned): {start}")
+    for r in range(1, rounds + 1):
+        losses = move_policy(model, tok, sft_items, args.sft_steps, args.lr, offset=(r - 1) * args.sft_steps * 4)
+        stale, before = measure(frozen), measure(online)
+        rollout_start = time.perf_counter()
+        prompts = [chat_prompt(tok, item["question"]) for item in task_items(n_rollouts, seed=100 + r)]
+        tokens = roll_out(model, tok, online, trainer, prompts, seed=1000 * r)
+        rollout_seconds = time.perf_counter() - rollout_start
+        metrics = (trainer.train(max_steps=args.update_steps) if args.update_steps
+                   else trainer.train(max_seconds=update_seconds))
+        after = measure(online)
+        history.append({"round": r, "sft_steps": r * args.sft_steps, "sft_loss": [losses[0], losses[-1]],
+                        "frozen": stale, "online_before": before, "online_after": after,
+                        "rollout_tokens": tokens, "rollout_seconds": rollout_seconds,
+                        "update": {k: metrics[k] for k in ("steps", "tokens", "seconds", "loss") if k in metrics}})
+        print(f"round {r}: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f}; frozen {stale}, online before update "
+              f"{before}, after {after} ({metrics['steps']} steps, {tokens} rollout tokens)")
 
-    trainer = DrafterTrainer(drafter, model, lr=1e-3, unroll_steps=2)
-    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=4))
-    start = time.perf_counter()
-    prompts = [chat_prompt(tok, item["question"]) for item in task_items(n_rollouts, seed=11)]
-    answer_tokens = 0
-    for offset in range(0, len(prompts), 16):
-        enc = tok(prompts[offset : offset + 16], return_tensors="pt", padding=True)
-        res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=96, do_sample=True,
-                              temperature=1.0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                              generator=torch.Generator().manual_seed(offset), feature_sink=trainer.add_features)
-        answer_tokens += res.stats.generated_tokens
-    rollout_seconds = time.perf_counter() - start
-    metrics = trainer.train(max_seconds=update_seconds)
-    refreshed = measure()
-    print(f"refreshed drafter: {refreshed}")
-
-    rows = [[name, aligned[name], stale[name], refreshed[name]] for name in aligned]
-    print(f"\nSmolLM2-135M-Instruct, {TASK}; policy moved by {sft_steps} SFT steps; drafter updated "
-          f"{metrics['seconds']:.0f}s ({metrics['steps']} steps) on {answer_tokens} fresh rollout tokens")
-    table = print_table(["setting", "accept len aligned", "accept len stale", "accept len refreshed"], rows)
+    rows = [[h["round"], h["sft_steps"], *(h[kind][name] for kind in ("frozen", "online_before", "online_after")
+                                           for name, _ in TEMPERATURES)] for h in history]
+    budget = f"{args.update_steps} steps" if args.update_steps else f"{update_seconds:.0f}s"
+    print(f"\nSmolLM2-135M-Instruct, {TASK}; acceptance length (chain of 4, {args.eval_prompts} held-out prompts); "
+          f"policy moved by {args.sft_steps} SFT steps a round; online drafter updated {budget} a round "
+          f"on {n_rollouts} fresh rollouts")
+    table = print_table(["round", "policy SFT steps", "frozen greedy", "frozen T=1", "online before update greedy",
+                         "online before update T=1", "online after update greedy", "online after update T=1"], rows)
     path = write_results("bench_drift_quick" if args.quick else "bench_drift", {
-        "settings": {**vars(args), "sft_steps": sft_steps, "update_seconds": update_seconds,
-                     "rollout_prompts": n_rollouts},
-        "aligned": aligned, "stale": stale, "refreshed": refreshed, "sft_losses": losses,
-        "sft_seconds": sft_seconds, "rollout_seconds": rollout_seconds, "rollout_tokens": answer_tokens,
-        "drafter_update": metrics, "table": table})
+        "settings": {**vars(args), "rounds": rounds, "update_seconds": update_seconds, "rollout_prompts": n_rollouts,
+                     "drafter": str(source), "drafter_settings": dataclasses.asdict(settings)},
+        "rounds": history, "table": table})
     print(f"\nwrote {path}")
 
 
