@@ -6,6 +6,8 @@ import it at module level, so ``import tlt_trainers.kernels`` works without it.
 
 - :func:`verify_chain_reference` (``verify_reference.py``): chain rejection sampling with explicit
   uniforms, the reference for a fused verify kernel; equal to ``tlt_trainers.sampling.verify_sampled``.
+- :func:`verify_chain_triton`, :func:`verify_tree_triton` (``verify_triton.py``, needs Triton): chain and tree
+  verification in one launch per step, equal to the torch path on the same uniforms.
 
 Names are imported on first use, not here: run from the repository root (``python -m pytest``, ``python -c``),
 this folder is also the top-level package ``kernels``, the name of Hugging Face's kernels library, which
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"verify_chain_reference": ".verify_reference"}
+_LAZY = {"verify_chain_reference": ".verify_reference", "verify_chain_triton": ".verify_triton",
+         "verify_tree_triton": ".verify_triton"}
 
-__all__: list[str] = ["verify_chain_reference"]
+__all__: list[str] = ["verify_chain_reference", "verify_chain_triton", "verify_tree_triton"]
 
 
 def __getattr__(name: str):

@@ -2,8 +2,17 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Without CUDA, Triton kernels run in Triton's interpreter (tests/test_kernels_triton.py). Triton reads the flag
+# when it is first imported (its own tl.* helpers are compiled or interpreted then), so it is set before anything
+# imports it; vLLM's CPU backend does not run Triton kernels, so its tests are unaffected.
+if os.environ.get("TRITON_INTERPRET") is None and "triton" not in sys.modules:
+    import torch.cuda
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

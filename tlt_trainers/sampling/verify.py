@@ -4,7 +4,9 @@ A proposal is a draft tree per row (a chain is the tree whose node j hangs from 
 sampled carry the distribution q they were drawn from and are verified by rejection sampling against it
 (:func:`verify_sampled`); drafts without q are point masses (greedy drafts, top-k trees, rollout history) and are
 verified by drawing the policy's own token at each node and following the child that matches it
-(:func:`verify_tree`). Either way the emitted tokens have exactly the policy's distribution.
+(:func:`verify_tree`). Either way the emitted tokens have exactly the policy's distribution. On CUDA with Triton
+installed, sampled chains and trees are verified by one fused kernel per step (``tlt_trainers.kernels``), from the
+same uniforms and with the same decisions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .chain import verify_greedy, verify_sampled
-from .distribution import sample_categorical
+from .distribution import sample_categorical, uniform
 from .tree import DraftTree, verify_tree
 
 
@@ -58,6 +60,18 @@ class Verdict:
         return emitted.scatter_(1, self.num_accepted[:, None], self.next_token[:, None])
 
 
+def fused_kernels(device: torch.device):
+    """The Triton verification kernels (``tlt_trainers.kernels.verify_triton``) where they run and pay: CUDA with
+    Triton installed. None elsewhere: the torch path."""
+    if device.type != "cuda":
+        return None
+    try:
+        from tlt_trainers.kernels import verify_triton
+    except ImportError:
+        return None
+    return verify_triton
+
+
 def verify(proposal: Proposal, scores: torch.Tensor, do_sample: bool,
            generator: torch.Generator | None = None) -> Verdict:
     """Accept a path of ``proposal``'s drafts given the policy's processed logits ``scores`` [B, N + 1, V]
@@ -68,11 +82,25 @@ def verify(proposal: Proposal, scores: torch.Tensor, do_sample: bool,
         token = sample_categorical(torch.softmax(first, dim=-1), generator) if do_sample else first.argmax(dim=-1)
         none = torch.zeros_like(token)
         return Verdict(none, none[:, None], token)
+    kernels = fused_kernels(scores.device)
+    batch, device = tree.tokens.shape[0], scores.device
     if proposal.draft_probs is not None:
-        chain = verify_sampled(tree.tokens, proposal.draft_probs, torch.softmax(scores, dim=-1), generator,
-                               proposal.draft_to_target, proposal.draft_ids)
+        probs = torch.softmax(scores, dim=-1)
+        if kernels is None:
+            chain = verify_sampled(tree.tokens, proposal.draft_probs, probs, generator, proposal.draft_to_target,
+                                   proposal.draft_ids)
+        else:  # the uniforms verify_sampled draws, in its order
+            uniforms = uniform((batch, tree.num_nodes), device, generator)
+            chain = kernels.verify_chain_triton(tree.tokens, proposal.draft_probs, probs, uniforms,
+                                                uniform((batch,), device, generator), proposal.draft_to_target,
+                                                proposal.draft_ids)
     elif proposal.is_chain and not do_sample:
         chain = verify_greedy(tree.tokens, scores.argmax(dim=-1))
+    elif do_sample and kernels is not None:  # the uniforms verify_tree draws
+        draws = uniform((batch, tree.max_depth + 1), device, generator)
+        accepted, path, token = kernels.verify_tree_triton(tree.tokens, tree.parents, torch.softmax(scores, -1),
+                                                           draws)
+        return Verdict(accepted, path, token)
     else:
         probs, argmax = (torch.softmax(scores, dim=-1), None) if do_sample else (None, scores.argmax(dim=-1))
         walked = verify_tree(tree, probs, generator, target_argmax=argmax)

@@ -1,0 +1,128 @@
+"""The Triton verification kernels against the torch path, fed the same inputs and uniforms.
+
+Runs under Triton's interpreter on CPU (``TRITON_INTERPRET=1``, set by tests/conftest.py): decisions
+(drafts kept, path through the tree) must be identical, and so must the sampled tokens for these seeds (the
+kernel's block sums differ from ``cumsum`` only within rounding, see ``kernels/verify_triton.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_kernels_reference import chain_case, random_dist  # noqa: E402
+
+from tlt_trainers.sampling import verify_sampled_with_uniforms  # noqa: E402
+from tlt_trainers.sampling.tree import DraftTree, verify_tree  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA, or TRITON_INTERPRET=1 set before triton is first imported "
+                "(tests/conftest.py "
+                "sets it)", allow_module_level=True)
+
+from tlt_trainers.kernels import verify_chain_triton, verify_tree_triton  # noqa: E402
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("draft_vocab", [None, 13])
+@pytest.mark.parametrize("vocab", [32, 1500])  # one block, and several blocks of the vocabulary
+def test_chain_kernel_equals_the_torch_path(k, draft_vocab, vocab):
+    batch = 64
+    tokens, q, p, d2t, index = chain_case(batch, k, vocab, seed=k + vocab, draft_vocab=draft_vocab)
+    gen = torch.Generator().manual_seed(200 + k)
+    uniforms, residual_uniforms = torch.rand(batch, k, generator=gen), torch.rand(batch, generator=gen)
+    expected = verify_sampled_with_uniforms(tokens, q, p, uniforms, residual_uniforms, d2t, index)
+    got = verify_chain_triton(tokens, q, p, uniforms, residual_uniforms, d2t, index)
+    assert torch.equal(got.num_accepted, expected.num_accepted)
+    assert torch.equal(got.next_token, expected.next_token)
+    torch.testing.assert_close(got.first_acceptance, expected.first_acceptance, rtol=1e-5, atol=1e-6)
+    counts = torch.bincount(expected.num_accepted, minlength=k + 1)
+    assert counts[0] > 0 and counts[k] > 0, "the case must exercise both a first rejection and full acceptance"
+
+
+def test_chain_kernel_edge_cases():
+    """All accepted (p = q, u = 0), first rejected (u = 1 where p < q), and rows whose residual is all zero."""
+    batch, k, vocab = 4, 3, 40
+    gen = torch.Generator().manual_seed(1)
+    q = random_dist((batch, k, vocab), gen, zeros=0.0)
+    p = torch.cat([q, random_dist((batch, 1, vocab), gen)], dim=1)
+    tokens = q.reshape(-1, vocab).argmax(-1).reshape(batch, k)
+    uniforms = torch.zeros(batch, k)
+    residual_uniforms = torch.rand(batch, generator=gen)
+    everything = verify_chain_triton(tokens, q, p, uniforms, residual_uniforms)
+    assert everything.num_accepted.tolist() == [k] * batch  # p = q: every draft kept, bonus from p_k
+    assert torch.equal(everything.next_token,
+                       verify_sampled_with_uniforms(tokens, q, p, uniforms, residual_uniforms).next_token)
+    p_low = p.clone()
+    p_low[torch.arange(batch), 0, tokens[:, 0]] = 0.0  # the policy forbids every first draft
+    first = verify_chain_triton(tokens, q, p_low, torch.ones(batch, k), residual_uniforms)
+    expected = verify_sampled_with_uniforms(tokens, q, p_low, torch.ones(batch, k), residual_uniforms)
+    assert first.num_accepted.tolist() == [0] * batch and torch.equal(first.next_token, expected.next_token)
+    assert not (first.next_token == tokens[:, 0]).any()
+
+
+def tree_case(batch, vocab, seed):
+    """Random trees with rows of different shapes (a chain, a wide root, mixed), some nodes on likely tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ([0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 2, 3])
+    parents = torch.tensor([shapes[b % 3] for b in range(batch)])
+    depths = torch.zeros_like(parents)
+    for i in range(parents.shape[1]):
+        parent = parents[:, i]
+        depths[:, i] = torch.where(parent == 0, 1, depths.gather(1, (parent - 1).clamp(min=0)[:, None])[:, 0] + 1)
+    p = random_dist((batch, parents.shape[1] + 1, vocab), gen, zeros=0.5) ** 6  # peaked, as a policy often is
+    p = p / p.sum(-1, keepdim=True)
+    # Candidates: mostly the policy's likely tokens at their parent, so paths go deep.
+    likely = torch.multinomial(p.reshape(-1, vocab), 1, generator=gen).reshape(batch, -1)
+    tokens = likely.gather(1, parents)
+    return DraftTree(tokens, parents, depths), p
+
+
+@pytest.mark.parametrize("vocab", [24, 1500])
+def test_tree_kernel_equals_the_torch_path(vocab):
+    batch = 48
+    tree, p = tree_case(batch, vocab, seed=vocab)
+    gen = torch.Generator().manual_seed(3)
+    uniforms = torch.rand(batch, tree.max_depth + 1, generator=gen)
+    expected = verify_tree(tree, p, generator=torch.Generator().manual_seed(3))
+    accepted, path, token = verify_tree_triton(tree.tokens, tree.parents, p, uniforms)
+    assert torch.equal(accepted, expected.num_accepted)
+    assert torch.equal(path, expected.path)
+    assert torch.equal(token, expected.next_token)
+    assert expected.num_accepted.max() >= 3 and (expected.num_accepted == 0).any()
+
+
+@pytest.mark.parametrize("strategy", ["chain:4", "tree:3x2:5"])
+def test_engine_with_the_fused_kernels_samples_what_the_torch_path_samples(monkeypatch, strategy):
+    """The engine's verification through the kernels (as on CUDA; forced here on CPU under the interpreter): the
+    same generator gives the same completions as the torch path, draft for draft."""
+    from test_engine_greedy import train_drafter
+    from tiny_models import EOS, PAD, padded_prompts, tiny_model
+
+    import kernels.verify_triton as verify_triton
+    from tlt_trainers import SpeculativeGenerator, TLTConfig
+    from tlt_trainers.sampling import verify as verify_module
+
+    model = tiny_model("llama", logit_scale=4.0)
+    drafter = train_drafter(model, steps=60)
+    ids, mask = padded_prompts([3, 6, 4, 5], seed=2)
+
+    def sample():
+        engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy))
+        return engine.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9,
+                               eos_token_id=EOS, pad_token_id=PAD, generator=torch.Generator().manual_seed(5))
+
+    torch_path = sample()
+    calls = []
+    kernel_chain, kernel_tree = verify_triton.verify_chain_triton, verify_triton.verify_tree_triton
+    monkeypatch.setattr(verify_triton, "verify_chain_triton", lambda *a, **k: calls.append("chain") or
+                        kernel_chain(*a, **k))
+    monkeypatch.setattr(verify_triton, "verify_tree_triton", lambda *a, **k: calls.append("tree") or
+                        kernel_tree(*a, **k))
+    monkeypatch.setattr(verify_module, "fused_kernels", lambda device: verify_triton)
+    fused = sample()
+    assert calls and set(calls) == {"chain" if strategy.startswith("chain") else "tree"}
+    assert torch.equal(fused.sequences, torch_path.sequences)
+    assert fused.stats.generated_tokens > fused.stats.row_forwards  # drafts were accepted on the way
