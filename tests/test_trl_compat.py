@@ -24,7 +24,6 @@ from datasets import Dataset  # noqa: E402
 from tiny_models import EOS, PAD, tiny_model  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
-    GenerationMixin,
     LlamaConfig,
     LlamaForCausalLM,
 )
@@ -33,6 +32,7 @@ from trl_scripts.common import Recorder, char_tokenizer, grpo_kwargs, length_rew
 
 from tlt_trainers import TLTGRPOConfig, TLTGRPOTrainer  # noqa: E402
 from tlt_trainers.modeling.target import compute_dtype  # noqa: E402
+from tlt_trainers.trl.stock_generation import TRANSFORMERS_GENERATE  # noqa: E402
 
 # Logged values that depend only on the completions and the optimisation (not on timing or on TLT's own counters).
 DETERMINISTIC_PREFIXES = ("loss", "reward", "rewards/", "completions/", "kl", "entropy", "clip_ratio", "grad_norm",
@@ -219,7 +219,7 @@ def max_lengths(result) -> list[float]:
 def short_generate(model):
     """A test double in place of ``model.generate``: transformers' generate capped at 3 new tokens (any custom
     decoding looks like this to the trainer)."""
-    original = GenerationMixin.generate
+    original = TRANSFORMERS_GENERATE  # as defined, even while a test patches GenerationMixin.generate
 
     def generate(*args, **kwargs):
         config = kwargs["generation_config"]
@@ -252,6 +252,18 @@ def test_generate_replaced_on_the_instance_is_honoured(tmp_path, caplog):
     assert max_lengths(ours) == [3, 3]  # the double's completions (3 tokens), not the engine's (8)
     assert all(log["tlt/draft_tokens"] == 0 for log in ours[1].logs if "tlt/draft_tokens" in log)
     assert "generate is replaced on the model instance" in caplog.text
+
+
+def test_generate_patched_on_generation_mixin_is_honoured(tmp_path):
+    """As TRL's own tests do: ``patch("transformers.generation.utils.GenerationMixin.generate")`` (no ``self``)."""
+
+    def patched_on_the_mixin(trainer):
+        double = short_generate(trainer.model)
+        return patch("transformers.generation.utils.GenerationMixin.generate",
+                     side_effect=lambda *args, **kwargs: double(*args, **kwargs))
+
+    stock, ours = compare(tmp_path, prepare=patched_on_the_mixin, config={"max_completion_length": 8}, tlt=ALWAYS)
+    assert max_lengths(ours) == [3, 3]
 
 
 def test_generate_overridden_in_a_subclass_is_honoured(tmp_path):

@@ -15,6 +15,8 @@ from ..modeling.target import text_config
 from ..sampling.distribution import SamplingParams, unsupported_generation_setting
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
+# transformers' own generate, as defined: a test or a library may later patch GenerationMixin.generate itself.
+TRANSFORMERS_GENERATE = GenerationMixin.generate
 
 
 def _peft_generate():
@@ -27,8 +29,8 @@ def _peft_generate():
 
 def replaced_generate(model: nn.Module) -> str | None:
     """Whether ``model.generate`` (what TRL calls) is not transformers' own: overridden in a subclass, wrapped, or
-    patched on the class or the instance (custom decoding, instrumentation, a test double). PEFT's ``generate``,
-    which calls the base model's, counts as transformers' own if the base model's is."""
+    patched on the class, on GenerationMixin or on the instance (custom decoding, instrumentation, a test double).
+    PEFT's ``generate``, which calls the base model's, counts as transformers' own if the base model's is."""
     name = type(model).__name__
     if "generate" in vars(model):
         return f"{name}.generate is replaced on the model instance"
@@ -37,7 +39,7 @@ def replaced_generate(model: nn.Module) -> str | None:
         if "generate" in vars(model.base_model):
             return f"{type(model.base_model).__name__}.generate is replaced on the PEFT model"
         return replaced_generate(base)
-    if getattr(type(model), "generate", None) is not GenerationMixin.generate:
+    if getattr(type(model), "generate", None) is not TRANSFORMERS_GENERATE:
         return f"{name}.generate is not transformers' GenerationMixin.generate (overridden, wrapped or patched)"
     return None
 
