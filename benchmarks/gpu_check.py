@@ -166,7 +166,7 @@ def main():
     drafter = EagleDrafter.from_target(model).to(device=device, dtype=dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(0)
-    prompts = torch.randint(3, vocab, (max(batch_sizes), 24), generator=gen).to(device)
+    prompts = torch.randint(3, vocab, (max(*batch_sizes, 8), 24), generator=gen).to(device)
     results = {"model": name, "device": torch.cuda.get_device_name() if cuda else "cpu", "checks": [], "timing": []}
 
     # 1. Exactness with graphs: greedy rollouts equal model.generate for every strategy (rows of mixed lengths).
