@@ -126,3 +126,43 @@ def test_engine_with_the_fused_kernels_samples_what_the_torch_path_samples(monke
     assert calls and set(calls) == {"chain" if strategy.startswith("chain") else "tree"}
     assert torch.equal(fused.sequences, torch_path.sequences)
     assert fused.stats.generated_tokens > fused.stats.row_forwards  # drafts were accepted on the way
+
+
+def test_liger_loss_on_hard_labels_equals_the_torch_loss(monkeypatch):
+    """EAGLE-3 training on the rollout's own tokens (hard labels) through liger-kernel's fused linear cross-entropy
+    (as on CUDA; forced here under the interpreter): the same loss, gradients and agreement as the torch version."""
+    liger = pytest.importorskip("liger_kernel.transformers.functional")
+    from tiny_models import EOS, PAD, padded_prompts, tiny_model
+
+    from tlt_trainers import DrafterTrainer, Eagle3Drafter, SpeculativeGenerator, TLTConfig
+    from tlt_trainers.drafter import losses
+
+    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=6)
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[1, 3, 5])
+    trainer = DrafterTrainer(drafter, model, unroll_steps=2, precision="float32")
+    ids, mask = padded_prompts([5, 3, 7, 4], seed=3)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="never"))
+    engine.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, eos_token_id=EOS, pad_token_id=PAD,
+                    generator=torch.Generator().manual_seed(0), feature_sink=trainer.add_features)
+    sequences = list(trainer.buffer.sequences)
+    assert sequences and all(seq.target_ids is None for seq in sequences)  # hard labels: the sampled tokens
+    batch = trainer._batch(sequences)
+
+    calls = []
+    fused = liger.liger_fused_linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    torch_loss, torch_metrics = trainer._loss(*batch)
+    torch_grads = torch.autograd.grad(torch_loss, list(drafter.parameters()))
+    monkeypatch.setattr(losses, "liger_fused_cross_entropy", lambda device: counted)
+    liger_loss, liger_metrics = trainer._loss(*batch)
+    liger_grads = torch.autograd.grad(liger_loss, list(drafter.parameters()))
+    assert len(calls) == 2  # one per unrolled step
+    torch.testing.assert_close(liger_loss, torch_loss, rtol=1e-5, atol=1e-5)
+    assert liger_metrics["top1_by_step"] == torch_metrics["top1_by_step"]
+    for got, expected in zip(liger_grads, torch_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

@@ -71,3 +71,31 @@ def chunked_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: 
     products run in the autocast dtype, the log-sum-exp in float32.
     """
     return _ChunkedSoftCrossEntropy.apply(hidden, weight, ids, probs.to(torch.float32), chunk)
+
+
+def liger_fused_cross_entropy(device: torch.device):
+    """liger-kernel's fused linear cross-entropy (Triton) where it runs and pays: CUDA with liger-kernel installed;
+    None elsewhere (the torch version above)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+                             chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over rows of :func:`chunked_soft_cross_entropy`, and each row's argmax.
+
+    Hard labels (one target per row with weight 1: the rollout's own next token) go through liger-kernel's fused
+    linear cross-entropy where it runs (:func:`liger_fused_cross_entropy`); soft top-k targets, and every device
+    without it, through the torch version (liger has no loss against a sparse soft distribution)."""
+    liger = liger_fused_cross_entropy(hidden.device) if ids.shape[-1] == 1 else None
+    if liger is not None and bool((probs == 1).all()):
+        dtype = _matmul_dtype(hidden)
+        out = liger(hidden.to(dtype), weight.to(dtype), ids[:, 0], reduction="sum", return_predicted_tokens=True)
+        return out.loss, out.predicted_tokens
+    losses, argmax = chunked_soft_cross_entropy(hidden, weight, ids, probs, chunk)
+    return losses.sum(), argmax

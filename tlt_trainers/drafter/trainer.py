@@ -28,7 +28,7 @@ from ..modeling.target import TargetModel
 from .base import Drafter
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME
-from .losses import chunked_soft_cross_entropy
+from .losses import linear_cross_entropy_sum
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
@@ -292,10 +292,10 @@ class DrafterTrainer:
             counted = scored & (idx[None] >= step)
             count = counted.sum().clamp(min=1)
             if self.loss_chunk_size:  # only the counted positions, a chunk of them at a time
-                losses, argmax = chunked_soft_cross_entropy(*drafter.head_inputs(predicted[counted]),
-                                                            gather_ids[counted], target_probs[counted],
-                                                            self.loss_chunk_size)
-                token_loss = losses.sum() / count
+                total, argmax = linear_cross_entropy_sum(*drafter.head_inputs(predicted[counted]),
+                                                         gather_ids[counted], target_probs[counted],
+                                                         self.loss_chunk_size)
+                token_loss = total / count
                 agree = (argmax == top1[counted]).sum() / count
             else:
                 weight = counted.to(torch.float32)
