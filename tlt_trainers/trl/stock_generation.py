@@ -12,7 +12,7 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 
 from ..modeling.target import text_config
-from ..sampling.distribution import SamplingParams, unsupported_generation_setting
+from ..sampling.distribution import SamplingParams, check_generation_config, unsupported_generation_setting
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
 # transformers' own generate, as defined: a test or a library may later patch GenerationMixin.generate itself.
@@ -58,6 +58,32 @@ def unsupported_cache(model: nn.Module) -> str | None:
     return None
 
 
+def generation_settings(config: GenerationConfig) -> dict:
+    """Keyword arguments of ``SpeculativeGenerator.generate`` equivalent to ``config``; ValueError if there are none."""
+    check_generation_config(config)
+
+    def value(name, neutral):
+        current = getattr(config, name, None)
+        return neutral if current is None else current
+
+    settings = dict(
+        do_sample=bool(value("do_sample", False)),
+        temperature=float(value("temperature", 1.0)),
+        top_k=int(value("top_k", 0)),
+        top_p=float(value("top_p", 1.0)),
+        min_p=config.min_p,
+        repetition_penalty=float(value("repetition_penalty", 1.0)),
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    try:
+        SamplingParams(*(settings[k] for k in ("do_sample", "temperature", "top_k", "top_p", "min_p",
+                                              "repetition_penalty")))
+    except ValueError as err:
+        raise ValueError(f"Unsupported sampling settings for TLTGRPOTrainer: {err}") from err
+    return settings
+
+
 def unsupported_settings(config: GenerationConfig) -> str | None:
     """Generation settings (after transformers' merge with the model's own) that the engine does not reproduce:
     beam search, logits processors other than temperature / top-k / top-p / min-p / repetition penalty, and
@@ -67,9 +93,7 @@ def unsupported_settings(config: GenerationConfig) -> str | None:
         key, value, _ = unsupported
         return f"the generation setting {key}={value!r} is not reproduced by TLT's engine"
     try:
-        SamplingParams(bool(config.do_sample), float(config.temperature if config.temperature is not None else 1.0),
-                       int(config.top_k or 0), float(config.top_p if config.top_p is not None else 1.0),
-                       config.min_p, float(config.repetition_penalty or 1.0))
+        generation_settings(config)
     except (TypeError, ValueError) as err:
         return f"the sampling settings are not reproduced by TLT's engine ({err})"
     return None
@@ -80,4 +104,10 @@ def stock_generation_reason(model: nn.Module, config: GenerationConfig | None) -
     return unsupported_cache(model) or (unsupported_settings(config) if config is not None else None)
 
 
-__all__ = ["replaced_generate", "stock_generation_reason", "unsupported_cache", "unsupported_settings"]
+__all__ = [
+    "generation_settings",
+    "replaced_generate",
+    "stock_generation_reason",
+    "unsupported_cache",
+    "unsupported_settings",
+]

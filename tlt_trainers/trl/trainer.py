@@ -44,9 +44,8 @@ from ..drafter.trainer import TRAINER_STATE
 from ..modeling.features import capture_features
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
-from ..sampling.distribution import SamplingParams, check_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
-from .stock_generation import replaced_generate, stock_generation_reason, unsupported_settings
+from .stock_generation import generation_settings, replaced_generate, stock_generation_reason
 from .sync import COLUMN, STAT_FIELDS, RankGroup
 
 logger = logging.get_logger(__name__)
@@ -92,32 +91,6 @@ def effective_generation_config(trl_config: GenerationConfig, model) -> Generati
             if getattr(config, key, None) == default and value != default:
                 setattr(config, key, value)
     return config
-
-
-def generation_settings(config: GenerationConfig) -> dict:
-    """Keyword arguments of ``SpeculativeGenerator.generate`` equivalent to ``config``; ValueError if there are none."""
-    check_generation_config(config)
-
-    def value(name, neutral):
-        current = getattr(config, name, None)
-        return neutral if current is None else current
-
-    settings = dict(
-        do_sample=bool(value("do_sample", False)),
-        temperature=float(value("temperature", 1.0)),
-        top_k=int(value("top_k", 0)),
-        top_p=float(value("top_p", 1.0)),
-        min_p=config.min_p,
-        repetition_penalty=float(value("repetition_penalty", 1.0)),
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    try:
-        SamplingParams(*(settings[k] for k in ("do_sample", "temperature", "top_k", "top_p", "min_p",
-                                              "repetition_penalty")))
-    except ValueError as err:
-        raise ValueError(f"Unsupported sampling settings for TLTGRPOTrainer: {err}") from err
-    return settings
 
 
 def _policy_of(unwrapped):
@@ -217,8 +190,10 @@ class TLTGRPOTrainer(GRPOTrainer):
                                       else stock_generation_reason(policy, config))
         # With stock generation for every rollout, the drafter's warm-up still samples with TLT's engine where the
         # model allows it (settings it cannot reproduce: plain sampling at TRL's temperature).
-        self._tlt_sampling = (generation_settings(config) if unsupported_settings(config) is None
-                              else generation_settings(_vllm_sampling_config(self)))
+        try:
+            self._tlt_sampling = generation_settings(config)
+        except ValueError:
+            self._tlt_sampling = generation_settings(_vllm_sampling_config(self))
         self._tlt_max_new_tokens = config.max_new_tokens
         self._tlt_max_length = config.max_length
 
