@@ -9,6 +9,8 @@ liger-kernel, in plain torch so that it runs on any device).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -76,8 +78,12 @@ def chunked_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: 
 def liger_fused_cross_entropy(device: torch.device):
     """liger-kernel's fused linear cross-entropy (Triton) where it runs and pays: CUDA with liger-kernel installed;
     None elsewhere (the torch version above)."""
-    if device.type != "cuda":
-        return None
+    return _liger() if device.type == "cuda" else None
+
+
+@functools.cache
+def _liger():
+    # Looked up once: a failed import is not cached by Python, and this runs at every training micro-step.
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError:

@@ -11,6 +11,7 @@ same uniforms and with the same decisions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,12 @@ class Verdict:
 def fused_kernels(device: torch.device):
     """The Triton verification kernels (``tlt_trainers.kernels.verify_triton``) where they run and pay: CUDA with
     Triton installed. None elsewhere: the torch path."""
-    if device.type != "cuda":
-        return None
+    return _triton_verification() if device.type == "cuda" else None
+
+
+@functools.cache
+def _triton_verification():
+    # Looked up once: a failed import is not cached by Python, and this runs at every verify step.
     try:
         from tlt_trainers.kernels import verify_triton
     except ImportError:
