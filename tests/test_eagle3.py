@@ -169,10 +169,10 @@ def test_chunked_and_dense_training_losses_agree(model, rollouts):
     trainer = DrafterTrainer(drafter, model, unroll_steps=2, precision="float32")
     trainer.add_sequences(*rollouts)
     batch = trainer._batch(list(trainer.buffer.sequences)[:4])
-    chunked, metrics = trainer._loss(*batch)
+    chunked, metrics = trainer._loss(batch)
     grads = torch.autograd.grad(chunked, list(drafter.parameters()))
     trainer.loss_chunk_size = 0
-    dense, dense_metrics = trainer._loss(*batch)
+    dense, dense_metrics = trainer._loss(batch)
     expected = torch.autograd.grad(dense, list(drafter.parameters()))
     assert torch.allclose(chunked, dense, atol=1e-5) and metrics["top1_by_step"] == dense_metrics["top1_by_step"]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected))

@@ -156,10 +156,10 @@ def test_liger_loss_on_hard_labels_equals_the_torch_loss(monkeypatch):
         calls.append(1)
         return fused(*args, **kwargs)
 
-    torch_loss, torch_metrics = trainer._loss(*batch)
+    torch_loss, torch_metrics = trainer._loss(batch)
     torch_grads = torch.autograd.grad(torch_loss, list(drafter.parameters()))
     monkeypatch.setattr(losses, "liger_fused_cross_entropy", lambda device: counted)
-    liger_loss, liger_metrics = trainer._loss(*batch)
+    liger_loss, liger_metrics = trainer._loss(batch)
     liger_grads = torch.autograd.grad(liger_loss, list(drafter.parameters()))
     assert len(calls) == 2  # one per unrolled step
     torch.testing.assert_close(liger_loss, torch_loss, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.packed_attention import PackedSequences, packed_ttt_attention
 from ..modeling.kv_cache import RowKV
 from ..modeling.target import apply_logit_transform, compute_dtype, logit_transform, text_config
 from .base import Drafter
@@ -112,13 +113,20 @@ def ttt_mask(step: int, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def unroll(attention: DrafterAttention, layer, first_features: torch.Tensor, positions: torch.Tensor,
-           valid: torch.Tensor, depth: int) -> list[torch.Tensor]:
+           valid: torch.Tensor | PackedSequences, depth: int) -> list[torch.Tensor]:
     """Run ``layer(features, attend)`` for ``depth`` chained draft steps (training-time test).
 
     Step 0 reads ``first_features`` [B, L, F]; step d at position t reads step d-1's prediction at t-1. ``attend(x)``
     is the attention output for the layer's attention input x, against the keys of every step so far, masked by
     :func:`ttt_mask`. Returns each step's prediction [B, L, H].
+
+    ``valid`` [B, L] marks the real tokens of padded rows; a :class:`PackedSequences` instead says that the one row
+    (B = 1) holds whole sequences end to end, attended without padding by
+    :func:`~tlt_trainers.kernels.packed_attention.packed_ttt_attention` (flash-attn's varlen kernel where it runs).
+    A sequence's first token then reads the previous sequence's last prediction at steps d >= 1: never scored.
     """
+    if isinstance(valid, PackedSequences):
+        return _unroll_packed(attention, layer, first_features, positions, valid, depth)
     keys, values, outputs = [], [], []
     for step in range(depth):
         if step == 0:
@@ -132,6 +140,26 @@ def unroll(attention: DrafterAttention, layer, first_features: torch.Tensor, pos
             values.append(value)
             mask = ttt_mask(step, valid, x.dtype)
             return attention.attend(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+
+        outputs.append(layer(features, attend))
+    return outputs
+
+
+def _unroll_packed(attention: DrafterAttention, layer, first_features, positions, packed: PackedSequences,
+                   depth: int) -> list[torch.Tensor]:
+    if first_features.shape[0] != 1 or first_features.shape[1] != packed.total:
+        raise ValueError(f"Packed sequences of {packed.total} tokens go in one row [1, {packed.total}, F], got "
+                         f"{tuple(first_features.shape)}.")
+    keys, values, outputs = [], [], []
+    for step in range(depth):
+        features = first_features if step == 0 else torch.cat([outputs[-1][:, :1], outputs[-1][:, :-1]], dim=1)
+
+        def attend(x):
+            query, key, value = attention.project(x, positions)  # [1, heads, T, D]
+            keys.append(key[0].transpose(0, 1))
+            values.append(value[0].transpose(0, 1))
+            out = packed_ttt_attention(query[0].transpose(0, 1), keys, values, packed)  # [T, heads, D]
+            return attention.o_proj(out.reshape(1, packed.total, -1))
 
         outputs.append(layer(features, attend))
     return outputs

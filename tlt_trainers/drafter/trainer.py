@@ -16,6 +16,7 @@ import json
 import pickle
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from ..kernels.packed_attention import PackedSequences, flash_varlen_available
 from ..modeling.features import capture_features
 from ..modeling.target import TargetModel
 from .base import Drafter
@@ -33,6 +35,7 @@ from .losses import linear_cross_entropy_sum
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
 PRECISIONS = ("auto", "float32", "bfloat16")
+ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 TARGET_TOP_K = 16  # the policy's most likely next tokens kept per position as a token-only drafter's target
 
 
@@ -89,9 +92,46 @@ def policy_targets(target: TargetModel, final: torch.Tensor, k: int = TARGET_TOP
     return ids, probs
 
 
+@dataclass
+class DrafterBatch:
+    """One micro-batch, [b, L] padded (``layout``: the real positions [b, L]) or [1, T] packed (``layout``: the
+    :class:`PackedSequences`): features [.., F], the next token x_{t+1} and the one after it, each position's place
+    in its sequence and that sequence's length, and the policy's top-k targets (ids, probabilities) if cached."""
+
+    hidden: torch.Tensor
+    next_tokens: torch.Tensor
+    following: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    layout: torch.Tensor | PackedSequences
+    targets: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.positions < self.lengths).sum())
+
+
 def regresses_features(drafter: Drafter) -> bool:
     """EAGLE-1 drafters also learn the policy's next feature; EAGLE-3 drafters predict tokens only."""
     return drafter.feature_layers is None
+
+
+def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> bool:
+    """Whether drafter training packs its micro-batches for ``attention`` ('auto', 'packed' or 'padded').
+
+    Packing drops the padding a long-tailed micro-batch is mostly made of; its attention is flash-attn's
+    variable-length kernel on CUDA (``pip install "tlt-trainers[flash]"``) and a per-sequence torch loop elsewhere.
+    'auto' packs EAGLE-3 drafters where flash-attn runs. EAGLE-1 drafters (which also regress the policy's next
+    feature) train padded.
+    """
+    if attention not in ATTENTION_LAYOUTS:
+        raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_LAYOUTS}.")
+    if attention == "packed" and regresses_features(drafter):
+        raise ValueError("attention='packed' trains EAGLE-3 drafters (Eagle3Drafter); EAGLE-1 drafters train "
+                         "padded: pass attention='padded' or 'auto'.")
+    if attention == "auto":
+        return not regresses_features(drafter) and flash_varlen_available(device)
+    return attention == "packed"
 
 
 class DrafterTrainer:
@@ -115,6 +155,7 @@ class DrafterTrainer:
         seed: int = 0,
         precision: str = "auto",
         loss_chunk_size: int = 2048,
+        attention: str = "auto",
     ):
         if unroll_steps < 1:
             raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
@@ -131,6 +172,8 @@ class DrafterTrainer:
         self.autocast_dtype = training_dtype(precision, self.target.device)
         # EAGLE-3: the head's cross-entropy over this many positions at a time, on scored positions only (0: dense)
         self.loss_chunk_size = loss_chunk_size
+        # EAGLE-3: micro-batches packed end to end (no padding; flash-attn's varlen attention where it runs)
+        self.packed = packs_sequences(attention, drafter, self.target.device)
         self.show_progress = show_progress
         self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
@@ -208,7 +251,11 @@ class DrafterTrainer:
         return self.drafter.d2t
 
     # ------------------------------------------------------------------ training
-    def _batch(self, sequences: list[BufferedSequence]):
+    def _batch(self, sequences: list[BufferedSequence]) -> DrafterBatch:
+        """A micro-batch, packed end to end (:attr:`packed`) or padded to its longest sequence."""
+        return self._packed_batch(sequences) if self.packed else self._padded_batch(sequences)
+
+    def _padded_batch(self, sequences: list[BufferedSequence]) -> DrafterBatch:
         device = self.target.device
         length = max(seq.features.shape[0] for seq in sequences)
         hidden_size = sequences[0].features.shape[1]
@@ -228,20 +275,38 @@ class DrafterTrainer:
             if targets is not None:
                 targets[0][row, :n] = seq.target_ids.to(device)
                 targets[1][row, :n] = seq.target_probs.to(device)
-        return hidden, tokens, lengths, targets
+        positions = torch.arange(length, device=device).expand(len(sequences), -1)
+        return DrafterBatch(hidden=hidden, next_tokens=tokens[:, 1:],
+                            following=torch.cat([tokens[:, 2:], tokens[:, -1:]], dim=1), positions=positions,
+                            lengths=lengths[:, None].expand(-1, length), layout=positions < lengths[:, None],
+                            targets=targets)
 
-    def _loss(self, hidden, tokens, lengths, targets=None) -> tuple[torch.Tensor, dict]:
-        """Loss on one micro-batch: features [b, L, F], tokens [b, L + 1], real lengths [b], and the policy's
-        top-k targets (ids, probabilities [b, L, k]) or None."""
+    def _packed_batch(self, sequences: list[BufferedSequence]) -> DrafterBatch:
+        device = self.target.device
+        packed = PackedSequences.from_lengths([seq.features.shape[0] for seq in sequences], device)
+        hidden = torch.cat([seq.features for seq in sequences]).to(device=device, dtype=self.target.dtype)
+        next_tokens = torch.cat([seq.tokens[1:] for seq in sequences]).to(device)
+        # the token after the next one (the last position of each sequence has none: a placeholder, never scored)
+        following = torch.cat([torch.cat([seq.tokens[2:], seq.tokens[-1:]]) for seq in sequences]).to(device)
+        targets = None
+        if all(seq.target_ids is not None for seq in sequences):
+            targets = (torch.cat([seq.target_ids for seq in sequences]).to(device=device, dtype=torch.long)[None],
+                       torch.cat([seq.target_probs for seq in sequences]).to(device=device, dtype=torch.float32)[None])
+        return DrafterBatch(hidden=hidden[None], next_tokens=next_tokens[None], following=following[None],
+                            positions=packed.positions[None], lengths=packed.token_lengths[None], layout=packed,
+                            targets=targets)
+
+    def _loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
+        """Loss on one micro-batch and its metrics."""
         if not regresses_features(self.drafter):
-            return self._token_loss(hidden, tokens, lengths, targets)
+            return self._token_loss(batch)
+        if not isinstance(batch.layout, torch.Tensor):
+            raise ValueError("EAGLE-1 drafters train on padded micro-batches (attention='padded').")
         drafter = self.drafter
-        length = hidden.shape[1]
-        idx = torch.arange(length, device=hidden.device)
-        valid = idx[None] < lengths[:, None]  # pair (h_t, x_{t+1}) exists
-        has_target = idx[None] + 1 < lengths[:, None]  # h_{t+1} exists to be predicted
-        positions = idx.expand(hidden.shape[0], -1)
-        outputs = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, self.unroll_steps)
+        hidden, positions, lengths = batch.hidden, batch.positions, batch.lengths
+        valid = batch.layout  # pair (h_t, x_{t+1}) exists
+        has_target = positions + 1 < lengths  # h_{t+1} exists to be predicted
+        outputs = drafter.forward_unrolled(hidden, batch.next_tokens, positions, valid, self.unroll_steps)
         target_feature = torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1)
         with torch.no_grad():
             # The policy's next-token law restricted to the draft vocabulary: what the drafter can propose.
@@ -249,7 +314,7 @@ class DrafterTrainer:
             policy_top1 = policy_probs.argmax(-1)
         loss, metrics, agreement = 0.0, {}, []
         for step, predicted in enumerate(outputs):
-            weight = (has_target & (idx[None] >= step)).to(hidden.dtype)
+            weight = (has_target & (positions >= step)).to(hidden.dtype)
             count = weight.sum().clamp(min=1)
             feature_loss = (F.smooth_l1_loss(predicted, target_feature, reduction="none").mean(-1) * weight).sum()
             draft_logp = drafter.logits(predicted).log_softmax(-1)
@@ -263,15 +328,13 @@ class DrafterTrainer:
         metrics.update(loss=loss.item(), top1=agreement[0], top1_by_step=agreement)
         return loss, metrics
 
-    def _token_loss(self, hidden, tokens, lengths, targets) -> tuple[torch.Tensor, dict]:
+    def _token_loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
         """EAGLE-3's loss: cross-entropy of each draft step's law over the draft vocabulary against the policy's
         (its top-k restricted to the draft vocabulary and renormalised, or the next token itself)."""
         drafter = self.drafter
-        batch, length = hidden.shape[:2]
-        idx = torch.arange(length, device=hidden.device)
-        valid = idx[None] < lengths[:, None]
-        positions = idx.expand(batch, -1)
-        outputs = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, self.unroll_steps)
+        positions, lengths, targets = batch.positions, batch.lengths, batch.targets
+        outputs = drafter.forward_unrolled(batch.hidden, batch.next_tokens, positions, batch.layout,
+                                           self.unroll_steps)
         t2d = self._target_to_draft()
         if targets is not None:
             draft_ids = t2d[targets[0]]  # [b, L, k], -1 outside the draft vocabulary
@@ -279,17 +342,16 @@ class DrafterTrainer:
             mass = probs.sum(-1)
             target_probs = probs / mass.clamp(min=1e-6)[..., None]
             top1 = draft_ids[..., 0]  # the policy's most likely token (-1: not draftable)
-            scored = valid & (mass > 1e-6)
+            scored = (positions < lengths) & (mass > 1e-6)
         else:  # the token that followed: drawn from the policy by the rollout itself
-            following = torch.cat([tokens[:, 2:], tokens[:, -1:]], dim=1)
-            draft_ids = t2d[following][..., None]
+            draft_ids = t2d[batch.following][..., None]
             target_probs = torch.ones_like(draft_ids, dtype=torch.float32)
             top1 = draft_ids[..., 0]
-            scored = (idx[None] + 1 < lengths[:, None]) & (top1 >= 0)
+            scored = (positions + 1 < lengths) & (top1 >= 0)
         gather_ids = draft_ids.clamp(min=0)
         loss, agreement = 0.0, []
         for step, predicted in enumerate(outputs):
-            counted = scored & (idx[None] >= step)
+            counted = scored & (positions >= step)
             count = counted.sum().clamp(min=1)
             if self.loss_chunk_size:  # only the counted positions, a chunk of them at a time
                 total, argmax = linear_cross_entropy_sum(*drafter.head_inputs(predicted[counted]),
@@ -353,11 +415,12 @@ class DrafterTrainer:
                 if should_stop is not None and should_stop():
                     break
                 count = min(self.micro_batch_size, len(self.buffer))
-                hidden, tokens, lengths, targets = self._batch(self.buffer.sample(count, self.generator))
-                trained_tokens += int(lengths.sum())
-                with torch.autocast(hidden.device.type, dtype=self.autocast_dtype or torch.float32,
+                batch = self._batch(self.buffer.sample(count, self.generator))
+                trained_tokens += batch.num_tokens
+                device_type = batch.hidden.device.type
+                with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
-                    loss, metrics = self._loss(hidden, tokens, lengths, targets)
+                    loss, metrics = self._loss(batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.max_grad_norm)
@@ -400,7 +463,7 @@ class DrafterTrainer:
         self.drafter.eval()
         totals, agreement, batches = {}, [0.0] * self.unroll_steps, 0
         for start in range(0, len(sequences), self.micro_batch_size):
-            _, metrics = self._loss(*self._batch(sequences[start : start + self.micro_batch_size]))
+            _, metrics = self._loss(self._batch(sequences[start : start + self.micro_batch_size]))
             for key in ("loss", "feature_loss", "token_loss", "top1"):
                 totals[key] = totals.get(key, 0.0) + metrics[key]
             for d, value in enumerate(metrics["top1_by_step"]):
