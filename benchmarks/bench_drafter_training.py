@@ -2,15 +2,19 @@
 
     python benchmarks/bench_drafter_training.py                    # 24 micro-steps x 3 reps per setting
     python benchmarks/bench_drafter_training.py --steps 4 --reps 1 --prompts 16     # smoke
+    python benchmarks/bench_drafter_training.py --settings "eagle3 float32 padded,eagle3 float32 packed" \
+        --name bench_drafter_training_packed                        # packing alone, on a CPU without bf16
 
 The buffers hold the real SmolLM2-135M-Instruct's own sampled answers (reasoning-gym gsm_symbolic, "Think step by
 step", temperature 1.0, up to ``--max-new-tokens``), added with one no-grad policy forward: EAGLE-1 buffers keep the
 final hidden states, EAGLE-3 buffers the three fused layers and the policy's top-16 next-token law (computed once
 per sequence). Each setting gets its own DrafterTrainer over the same drafter initialisation of its architecture and
 the same buffer; the settings take turns within every rep (order rotating), each running ``--steps`` micro-steps on
-the same micro-batches, so their ratios come from the same minutes of this noisy CPU. Reported: trained tokens (real
+the same micro-batches, so their ratios come from the same minutes of this noisy CPU. "packed" lays each
+micro-batch's sequences end to end instead of padding them to the longest (on a CPU its attention is a per-sequence
+torch loop; on CUDA flash-attn's varlen kernel). Reported: trained tokens (real
 positions in the micro-batches) per second, the median over reps, and the ratio to the first setting. Writes
-benchmarks/results/bench_drafter_training.json.
+benchmarks/results/<--name>.json (default bench_drafter_training).
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ from common import completion_mask, math_prompts, print_table, write_results  # 
 SETTINGS = {
     "eagle1 float32": ("eagle", {"precision": "float32"}),
     "eagle1 bf16": ("eagle", {"precision": "bfloat16"}),
-    "eagle3 bf16 dense loss": ("eagle3", {"precision": "bfloat16", "loss_chunk_size": 0}),
-    "eagle3 bf16 chunked loss": ("eagle3", {"precision": "bfloat16"}),
+    "eagle3 bf16 dense loss": ("eagle3", {"precision": "bfloat16", "loss_chunk_size": 0, "attention": "padded"}),
+    "eagle3 bf16 chunked loss": ("eagle3", {"precision": "bfloat16", "attention": "padded"}),
+    "eagle3 bf16 chunked loss packed": ("eagle3", {"precision": "bfloat16", "attention": "packed"}),
+    # the same pair in float32, for CPUs without native bfloat16 (emulated bfloat16 is many times slower there)
+    "eagle3 float32 padded": ("eagle3", {"precision": "float32", "attention": "padded"}),
+    "eagle3 float32 packed": ("eagle3", {"precision": "float32", "attention": "packed"}),
 }
 
 
@@ -49,6 +57,7 @@ def parse_args():
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--unroll-steps", type=int, default=2)
     p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--name", default="bench_drafter_training", help="results file name under benchmarks/results")
     return p.parse_args()
 
 
@@ -128,7 +137,7 @@ def main() -> None:
           f"unroll {args.unroll_steps}, {args.steps} micro-steps x {args.reps} reps, {len(first.buffer)} buffered "
           f"answers ({answer_tokens} answer tokens), torch threads {torch.get_num_threads()}:")
     table = print_table(["setting", "tokens/s (median)", "range", f"vs {names[0]}", "s/step", "mean loss"], rows)
-    write_results("bench_drafter_training", {"settings": vars(args), "raw": raw, "table": table,
+    write_results(args.name, {"settings": vars(args), "raw": raw, "table": table,
                                              "trainer_settings": {n: SETTINGS[n] for n in names}})
 
 

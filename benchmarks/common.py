@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -113,7 +114,7 @@ def machine() -> dict:
 def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"command": "python " + " ".join(sys.argv), "machine": machine(), **payload}
+    payload = {"command": "python " + shlex.join(sys.argv), "machine": machine(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

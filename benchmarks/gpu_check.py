@@ -1,5 +1,7 @@
-"""One-shot GPU check of the engine: CUDA graphs exact and faster, trees and history on CUDA, the cost profile, and
-the Triton verification kernels (equal to the torch path, time per verify step with and without them).
+"""One-shot GPU check of the engine: CUDA graphs exact and faster, trees and history on CUDA, the cost profile, the
+Triton verification kernels (equal to the torch path, time per verify step with and without them), and drafter
+training's kernels (flash-attn's packed attention equal to the torch backend, time per training micro-step with and
+without packing and liger's fused cross-entropy).
 
     python benchmarks/gpu_check.py                       # on a CUDA machine (a few minutes)
     python benchmarks/gpu_check.py --allow-cpu --quick   # smoke test of this script on CPU (graphs' static path;
@@ -147,6 +149,95 @@ def check_kernels(model, drafter, prompts, device, new_tokens) -> dict:
     return out
 
 
+def check_drafter_training(model, device, quick: bool) -> dict:
+    """EAGLE-3 drafter training with and without the kernels: flash-attn's packed varlen attention against the torch
+    backend (same outputs and gradients), a packed micro-batch's loss against the padded one's, and the time per
+    training micro-step padded + torch loss, packed (flash-attn) + torch loss, packed + liger's fused cross-entropy,
+    in lockstep on the same micro-batches of long-tailed sequences (hard labels, where liger applies)."""
+    import copy
+
+    from tlt_trainers import DrafterTrainer, Eagle3Drafter
+    from tlt_trainers.drafter import losses
+    from tlt_trainers.kernels.packed_attention import (
+        PackedSequences,
+        TorchVarlen,
+        flash_varlen_available,
+        packed_ttt_attention,
+        varlen_backend,
+    )
+
+    out = {"checks": [], "timing": [], "flash_attn": flash_varlen_available(device)}
+    try:
+        if out["flash_attn"]:  # the flash backend against the torch one, through the same autograd function
+            packed = PackedSequences.from_lengths([37, 5, 300, 1, 64, 700], device)
+            gen = torch.Generator(device=device).manual_seed(0)
+            for step in (0, 2):
+                leaves = [torch.randn(packed.total, heads, 64, generator=gen, device=device,
+                                      dtype=torch.bfloat16).requires_grad_() for heads in [8] + [2] * 2 * (step + 1)]
+                grad_out = torch.randn(packed.total, 8, 64, generator=gen, device=device, dtype=torch.bfloat16)
+                results = []
+                for backend in (TorchVarlen(), varlen_backend(leaves[0], prefer="flash-attn")):
+                    o = packed_ttt_attention(leaves[0], leaves[1: step + 2], leaves[step + 2:], packed, backend)
+                    results.append([o.float()] + [g.float() for g in torch.autograd.grad(o, leaves, grad_out)])
+                errors = [float((a - b).abs().max()) for a, b in zip(*results, strict=True)]
+                out["checks"].append({"kind": f"flash-attn vs torch packed attention, step {step}",
+                                      "max_abs_error": max(errors), "identical": max(errors) < 5e-2})
+        layers = model.config.num_hidden_layers
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[1, layers // 2, layers - 1], draft_vocab_size=4096)
+        count = 16 if quick else 64
+        gen = torch.Generator().manual_seed(1)
+        lengths = (torch.distributions.Exponential(1 / (96 if quick else 384)).sample((count,)) + 16).long()
+        lengths = lengths.clamp(max=256 if quick else 2048)
+        ids = torch.randint(3, model.config.vocab_size, (count, int(lengths.max())), generator=gen)
+        mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+        precision = "bfloat16" if device.type == "cuda" else "float32"  # CPUs may lack native bfloat16
+        out["precision"] = precision
+        trainers = {}
+        for name, attention in (("padded, torch loss", "padded"), ("packed, torch loss", "packed"),
+                                ("packed + liger", "packed")):
+            trainer = DrafterTrainer(copy.deepcopy(drafter), model, micro_batch_size=8, unroll_steps=2,
+                                     precision=precision, attention=attention)
+            if not trainers:
+                trainer.add_sequences(ids.to(device), mask.to(device))
+                for seq in trainer.buffer.sequences:  # hard labels: the rollout's own next tokens (liger's case)
+                    seq.target_ids = seq.target_probs = None
+                trainer.rebuild_draft_vocab()
+            else:
+                trainer.buffer = next(iter(trainers.values())).buffer
+                trainer.drafter.set_draft_vocab(next(iter(trainers.values())).drafter.d2t)
+            trainers[name] = trainer
+        sample = list(trainers["padded, torch loss"].buffer.sequences)[:8]
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            padded_loss = trainers["padded, torch loss"]._loss(trainers["padded, torch loss"]._batch(sample))[0]
+            packed_loss = trainers["packed, torch loss"]._loss(trainers["packed, torch loss"]._batch(sample))[0]
+        padded_loss, packed_loss = float(padded_loss), float(packed_loss)
+        out["checks"].append({"kind": f"packed vs padded micro-batch loss ({precision})", "padded": padded_loss,
+                              "packed": packed_loss, "identical": abs(packed_loss - padded_loss) < 2e-2 * padded_loss})
+        original = losses.liger_fused_cross_entropy
+        steps = 3 if quick else 10
+        times = {name: [] for name in trainers}
+        try:
+            for rep in range(3):
+                for name, trainer in trainers.items():
+                    losses.liger_fused_cross_entropy = original if name == "packed + liger" else (lambda device: None)
+                    trainer.generator.manual_seed(rep)
+                    result = timed(lambda trainer=trainer: trainer.train(max_steps=steps), device)[0]
+                    times[name].append((result["seconds"] / result["steps"], result["tokens"] / result["seconds"]))
+        finally:
+            losses.liger_fused_cross_entropy = original
+        for name, values in times.items():
+            best = min(values)
+            out["timing"].append({"setting": name, "s_per_step": best[0], "tokens_per_s": best[1],
+                                  "liger": name == "packed + liger" and original(device) is not None})
+    except Exception as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+        out["traceback"] = traceback.format_exc()[-2000:]
+    for record in out["checks"] + out["timing"]:
+        print(record, flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU with the graphs' static path (smoke test)")
@@ -209,7 +300,10 @@ def main():
     # 3. The Triton verification kernels: equal to the torch path, and the time of one verify step with each.
     results["kernels"] = check_kernels(model, drafter, prompts, device, new_tokens)
 
-    # 4. The adaptive engine's cost profile on this device.
+    # 4. Drafter training with and without the kernels (packed flash-attn attention, liger's fused cross-entropy).
+    results["drafter_training"] = check_drafter_training(model, device, args.quick)
+
+    # 5. The adaptive engine's cost profile on this device.
     adaptive = SpeculativeGenerator(model, drafter, TLTConfig(cuda_graphs=graphs_on))
     adaptive.generate(prompts[: max(batch_sizes)], max_new_tokens=new_tokens, do_sample=True, pad_token_id=0,
                       eos_token_id=None, generator=torch.Generator(device=device).manual_seed(9))
@@ -226,6 +320,11 @@ def main():
         rows = [[t["batch"], t["kind"], t["torch_ms"], t["kernel_ms"], t["torch_ms"] / t["kernel_ms"]]
                 for t in results["kernels"]["timing"]]
         results["table_kernels"] = print_table(["batch", "verify", "torch ms", "kernel ms", "speedup"], rows)
+    if results["drafter_training"].get("timing"):
+        base = results["drafter_training"]["timing"][0]["s_per_step"]
+        rows = [[t["setting"], t["s_per_step"], t["tokens_per_s"], base / t["s_per_step"]]
+                for t in results["drafter_training"]["timing"]]
+        results["table_drafter_training"] = print_table(["drafter training", "s/step", "tokens/s", "speedup"], rows)
     path = write_results("gpu_check" if cuda else "gpu_check_cpu_smoke", results)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
@@ -234,6 +333,9 @@ def main():
         sys.exit("some strategy is not exact with CUDA graphs: see the checks above")
     if results["kernels"].get("error") or not all(c["identical"] for c in results["kernels"].get("checks", [])):
         sys.exit("the verification kernels differ from the torch path: see the kernel checks above")
+    training = results["drafter_training"]
+    if training.get("error") or not all(c["identical"] for c in training["checks"]):
+        sys.exit("packed drafter training differs from the padded / torch path: see the drafter training checks")
 
 
 if __name__ == "__main__":

@@ -177,8 +177,36 @@ def _flash_interface():
 
 
 def flash_varlen_available(device: torch.device) -> bool:
-    """Whether :class:`FlashVarlen` runs on ``device`` (CUDA with a supported flash-attn)."""
-    return device.type == "cuda" and _flash_interface() is not None
+    """Whether :class:`FlashVarlen` runs on ``device``: CUDA with a supported flash-attn whose forward and backward,
+    run once on a small problem through :class:`PackedTTTAttention`, agree with :class:`TorchVarlen` (the functions
+    read are private to flash-attn; a release that changed them falls back to torch with a warning, not a wrong
+    gradient)."""
+    return device.type == "cuda" and _flash_interface() is not None and _flash_agrees(device.index or 0)
+
+
+@functools.cache
+def _flash_agrees(device_index: int) -> bool:
+    device = torch.device("cuda", device_index)
+    packed = PackedSequences.from_lengths([5, 1, 19, 8], device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    leaves = [torch.randn(packed.total, heads, 64, generator=generator, device=device, dtype=torch.bfloat16)
+              .requires_grad_() for heads in (4, 2, 2, 2, 2)]
+    grad_out = torch.randn(packed.total, 4, 64, generator=generator, device=device, dtype=torch.bfloat16)
+    try:
+        results = []
+        for backend in (TorchVarlen(), FlashVarlen(_flash_interface())):
+            out = packed_ttt_attention(leaves[0], leaves[1:3], leaves[3:], packed, backend)
+            results.append([out, *torch.autograd.grad(out, leaves, grad_out)])
+        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*results, strict=True))
+    except Exception as exc:  # noqa: BLE001 - any failure of a private API means: do not use it
+        error, reason = float("inf"), f"{type(exc).__name__}: {exc}"
+    else:
+        reason = f"max abs difference {error:.3g}"
+    if error < 5e-2:
+        return True
+    warnings.warn(f"flash-attn's varlen attention disagrees with the torch path ({reason}); packed drafter training "
+                  "uses the torch path. Please report this with your flash-attn version.", stacklevel=3)
+    return False
 
 
 def varlen_backend(q: torch.Tensor, prefer: str = "auto"):

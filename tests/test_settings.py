@@ -32,7 +32,8 @@ ENGINE_VALUES = dict(
 DRAFTER_VALUES = dict(
     drafter_name_or_path="some/drafter", drafter_architecture="eagle", draft_vocab_size=0, drafter_lr=1e-4,
     drafter_unroll_steps=3,
-    drafter_micro_batch_size=4, drafter_precision="float32", drafter_update_fraction=0.2, drafter_update_seconds=10.0,
+    drafter_micro_batch_size=4, drafter_precision="float32", drafter_attention="padded", drafter_update_fraction=0.2,
+    drafter_update_seconds=10.0,
     drafter_max_idle_seconds=60.0, drafter_max_steps_per_update=7, drafter_buffer_bytes=1 << 20,
     drafter_warmup_prompts=16, drafter_warmup_seconds=30.0, drafter_warmup_lr=2e-3,
 )

@@ -75,6 +75,13 @@ class DrafterSettings:
                   "bfloat16 natively: CUDA, CPUs with AVX512-BF16 or AMX; float32 elsewhere), 'bfloat16' or "
                   "'float32'. Weights and optimizer state stay float32."},
     )
+    drafter_attention: str = field(
+        default="auto",
+        metadata={"help": "How EAGLE-3 drafter training lays out a micro-batch: 'packed' (sequences end to end, no "
+                  "padding; flash-attn's variable-length attention on CUDA with `pip install \"tlt-trainers[flash]\"`, "
+                  "a per-sequence torch loop elsewhere), 'padded', or 'auto' (packed, except on CUDA without "
+                  "flash-attn). The loss is the same either way; EAGLE-1 drafters always train padded."},
+    )
     drafter_update_fraction: float = field(
         default=0.1,
         metadata={"help": "When no rank or rollout replica had idle time to train in (a single one, or all "
@@ -136,6 +143,8 @@ class DrafterSettings:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 switches that training off).")
         if self.drafter_precision not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"drafter_precision={self.drafter_precision!r}: choose 'auto', 'float32' or 'bfloat16'.")
+        if self.drafter_attention not in ("auto", "packed", "padded"):
+            raise ValueError(f"drafter_attention={self.drafter_attention!r}: choose 'auto', 'packed' or 'padded'.")
         if self.drafter_max_steps_per_update is not None and self.drafter_max_steps_per_update < 0:
             raise ValueError(f"drafter_max_steps_per_update={self.drafter_max_steps_per_update} must be >= 0 or "
                              "None (time budgets only).")

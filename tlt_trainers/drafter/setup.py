@@ -107,5 +107,6 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
     trainer = DrafterTrainer(drafter, policy, lr=settings.drafter_lr,
                              micro_batch_size=settings.drafter_micro_batch_size,
                              unroll_steps=settings.drafter_unroll_steps, buffer_bytes=settings.drafter_buffer_bytes,
-                             precision=settings.drafter_precision, seed=seed + rank)
+                             precision=settings.drafter_precision, attention=settings.drafter_attention,
+                             seed=seed + rank)
     return drafter, trainer, not (fresh and drafter.config.uses_draft_vocab)

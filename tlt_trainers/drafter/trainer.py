@@ -7,7 +7,8 @@ computed once when a sequence enters the buffer (restricted to the draft vocabul
 itself for rollouts that came without it (the engine's own samples of the policy). With ``unroll_steps > 1`` the
 same loss is applied to chained steps that read the drafter's own predictions (training-time test), so later draft
 positions stay accurate. Only the drafter's own parameters are optimised; the policy runs under no_grad and its
-embedding and head are read, never written.
+embedding and head are read, never written. An EAGLE-3 micro-batch is packed end to end rather than padded to its
+longest sequence (:func:`packs_sequences`): the same loss on real tokens only.
 """
 
 from __future__ import annotations
@@ -119,10 +120,10 @@ def regresses_features(drafter: Drafter) -> bool:
 def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> bool:
     """Whether drafter training packs its micro-batches for ``attention`` ('auto', 'packed' or 'padded').
 
-    Packing drops the padding a long-tailed micro-batch is mostly made of; its attention is flash-attn's
-    variable-length kernel on CUDA (``pip install "tlt-trainers[flash]"``) and a per-sequence torch loop elsewhere.
-    'auto' packs EAGLE-3 drafters where flash-attn runs. EAGLE-1 drafters (which also regress the policy's next
-    feature) train padded.
+    Packing drops the padding a long-tailed micro-batch is mostly made of (the loss is the same); its attention is
+    flash-attn's variable-length kernel on CUDA (``pip install "tlt-trainers[flash]"``) and a per-sequence torch
+    loop elsewhere. 'auto' packs EAGLE-3 drafters except on CUDA without flash-attn, where the padded batch's fused
+    attention is kept. EAGLE-1 drafters (which also regress the policy's next feature) train padded.
     """
     if attention not in ATTENTION_LAYOUTS:
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_LAYOUTS}.")
@@ -130,7 +131,7 @@ def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> b
         raise ValueError("attention='packed' trains EAGLE-3 drafters (Eagle3Drafter); EAGLE-1 drafters train "
                          "padded: pass attention='padded' or 'auto'.")
     if attention == "auto":
-        return not regresses_features(drafter) and flash_varlen_available(device)
+        return not regresses_features(drafter) and (device.type != "cuda" or flash_varlen_available(device))
     return attention == "packed"
 
 
