@@ -24,6 +24,18 @@ LAYERS = [1, 3, 5]
 LENGTHS = [7, 3, 1, 5, 2, 9]  # shorter than the unroll depth, single tokens, one long tail
 
 
+def test_a_micro_batch_shorter_than_the_unroll_depth(model):
+    """Fewer packed tokens than draft steps: every later step reads only the query's own key."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    hidden, tokens, positions, valid = padded_inputs(drafter, [1, 2])
+    packed = PackedSequences.from_lengths([1, 2])
+    outputs = drafter.forward_unrolled(hidden[valid][None], tokens[valid][None], packed.positions[None], packed, 5)
+    assert len(outputs) == 5 and all(torch.isfinite(out).all() for out in outputs)
+    padded = drafter.forward_unrolled(hidden, tokens, positions, valid, 5)
+    torch.testing.assert_close(outputs[1][0, 2], padded[1][1, 1])  # the only position scored at step 1
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", logit_scale=4.0, num_hidden_layers=6, num_key_value_heads=2)  # grouped-query
