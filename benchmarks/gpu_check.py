@@ -179,9 +179,10 @@ def check_drafter_training(model, device, quick: bool) -> dict:
                 for backend in (TorchVarlen(), varlen_backend(leaves[0], prefer="flash-attn")):
                     o = packed_ttt_attention(leaves[0], leaves[1: step + 2], leaves[step + 2:], packed, backend)
                     results.append([o.float()] + [g.float() for g in torch.autograd.grad(o, leaves, grad_out)])
-                errors = [float((a - b).abs().max()) for a, b in zip(*results, strict=True)]
+                # relative to each tensor's scale: flash rounds P and dS to bfloat16 in its backward
+                errors = [float((a - b).abs().max() / (1 + b.abs().max())) for a, b in zip(*results, strict=True)]
                 out["checks"].append({"kind": f"flash-attn vs torch packed attention, step {step}",
-                                      "max_abs_error": max(errors), "identical": max(errors) < 5e-2})
+                                      "max_relative_error": max(errors), "identical": max(errors) < 5e-2})
         layers = model.config.num_hidden_layers
         torch.manual_seed(0)
         drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[1, layers // 2, layers - 1], draft_vocab_size=4096)
