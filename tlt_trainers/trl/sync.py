@@ -88,6 +88,16 @@ class RankGroup:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def first_error(self, error: BaseException | None) -> str | None:
+        """The first rank's error in words, on every rank (None when no rank had one): a rank that raised alone
+        would leave the others waiting in their next collective."""
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        if not self.distributed:
+            return message
+        messages = [None] * self.world
+        dist.all_gather_object(messages, message, group=self.group)
+        return next((f"rank {rank}: {m}" for rank, m in enumerate(messages) if m is not None), None)
+
     # ------------------------------------------------------------------ figures
     def gather(self, row: list[float]) -> torch.Tensor:
         """Every rank's row of STAT_FIELDS figures, as a [world, fields] float64 table."""

@@ -390,9 +390,20 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _tlt_push_drafter(self) -> float:
         """Load the drafter's current weights into the running vLLM engine; returns the seconds it took."""
-        if self._tlt_vllm_sync is None:
+        timing, error = None, None
+        if self._tlt_vllm_sync is not None:  # every rank in colocate mode, the main process in server mode
+            try:
+                timing = self._tlt_vllm_sync.push(self.drafter)
+            except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+                error = err
+        # Called on every rank in step: all of them raise a failure, none waits for the failed one in a collective.
+        message = self._tlt_ranks.first_error(error)
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"Loading the drafter into vLLM failed on {message}")
+        if timing is None:
             return 0.0
-        timing = self._tlt_vllm_sync.push(self.drafter)
         self._tlt_vllm_pushes += 1
         return timing.total_seconds
 
