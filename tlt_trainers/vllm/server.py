@@ -24,14 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
-from ..drafter.config import WEIGHTS_NAME
 from ..drafter.eagle import EagleDrafter
 from ..drafter.export import vllm_weights
 from .config import EXTENSION
 from .metrics import SpecDecodeCounters, parse_spec_decode_metrics
-from .sync import PushTiming, _torch_dtype
+from .sync import PushTiming, _torch_dtype, write_weights
 
 
 def serve_command(policy: str | os.PathLike, drafter_dir: str | os.PathLike, num_speculative_tokens: int = 3,
@@ -118,10 +115,7 @@ class VLLMServerDrafterSync:
         start = time.perf_counter()
         dtype = _torch_dtype(self.engine_info[0]["dtype"])
         tensors = vllm_weights(drafter, full_vocab_head=self.full_vocab_head, dtype=dtype)
-        file = self.directory / WEIGHTS_NAME
-        tmp = self.directory / f".{WEIGHTS_NAME}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt", "exported_by": "tlt_trainers (vllm eagle)"})
-        os.replace(tmp, file)
+        file = write_weights(tensors, self.directory)
         convert = time.perf_counter() - start
         try:
             results = self._rpc("tlt_reload_drafter", path=str(file.resolve()))

@@ -198,9 +198,7 @@ class VLLMDrafterSync:
         else:
             tensors = vllm_weights(drafter, full_vocab_head=self.full_vocab_head, dtype=dtype)
         if via == "files":
-            tmp = self.directory / f".{WEIGHTS_NAME}.tmp"
-            save_file(tensors, str(tmp), metadata={"format": "pt", "exported_by": "tlt_trainers (vllm eagle)"})
-            os.replace(tmp, self.directory / WEIGHTS_NAME)
+            write_weights(tensors, self.directory)
             args: tuple = (None, str(self.directory))
         elif via == "bytes":
             args = (save(tensors),)
@@ -229,6 +227,15 @@ class VLLMDrafterSync:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def write_weights(tensors: dict[str, torch.Tensor], directory: Path) -> Path:
+    """The drafter's vLLM weights as ``directory``/model.safetensors, replaced atomically (a worker reading it never
+    sees half a file); returns the file."""
+    file, tmp = directory / WEIGHTS_NAME, directory / f".{WEIGHTS_NAME}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt", "exported_by": "tlt_trainers (vllm eagle)"})
+    os.replace(tmp, file)
+    return file
 
 
 def _torch_dtype(name: str) -> torch.dtype | None:
