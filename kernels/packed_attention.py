@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 FLASH_VERSIONS = ("2.7", "2.9")  # the private varlen forward/backward signature read here: [2.7, 2.9)
+FLASH_TOLERANCE = 5e-2  # flash against torch in bfloat16, relative to scale (see backend_difference)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,6 @@ def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 class TorchVarlen:
     """Causal variable-length attention in torch, one sequence at a time (float32 scores)."""
 
-    name = "torch"
-
     @staticmethod
     def forward(q, k, v, cu_seqlens, max_len, scale):
         """(out [T, H, D] in q's dtype, log-sum-exp [H, T] float32)."""
@@ -139,8 +138,6 @@ class FlashVarlen:
     """flash-attn's variable-length forward and backward (private functions of flash-attn 2.7 - 2.8, the only ones
     that return the log-sum-exp and take an output and log-sum-exp in the backward)."""
 
-    name = "flash-attn"
-
     def __init__(self, interface):
         self._forward = interface._wrapped_flash_attn_varlen_forward
         self._backward = interface._wrapped_flash_attn_varlen_backward
@@ -186,31 +183,38 @@ def flash_varlen_available(device: torch.device) -> bool:
 
 @functools.cache
 def _flash_agrees(device_index: int) -> bool:
-    device = torch.device("cuda", device_index)
-    packed = PackedSequences.from_lengths([5, 1, 19, 8], device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    leaves = [torch.randn(packed.total, heads, 64, generator=generator, device=device, dtype=torch.bfloat16)
-              .requires_grad_() for heads in (4, 2, 2, 2, 2)]
-    grad_out = torch.randn(packed.total, 4, 64, generator=generator, device=device, dtype=torch.bfloat16)
     try:
-        results = []
-        # the first caller may be under no_grad (evaluate) or autocast: the check needs neither
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False):
-            for backend in (TorchVarlen(), FlashVarlen(_flash_interface())):
-                out = packed_ttt_attention(leaves[0], leaves[1:3], leaves[3:], packed, backend)
-                results.append([out, *torch.autograd.grad(out, leaves, grad_out)])
-        # bfloat16 tolerance relative to each tensor's scale (flash rounds P and dS to bfloat16 in its backward)
-        error = max(float((a.float() - b.float()).abs().max() / (1 + b.float().abs().max()))
-                    for a, b in zip(*results, strict=True))
+        error = backend_difference(FlashVarlen(_flash_interface()), PackedSequences.from_lengths(
+            [5, 1, 19, 8], torch.device("cuda", device_index)), step=1, heads=4, kv_heads=2)
     except Exception as exc:  # noqa: BLE001 - any failure of a private API means: do not use it
         error, reason = float("inf"), f"{type(exc).__name__}: {exc}"
     else:
         reason = f"max difference {error:.3g} of the tensors' scale"
-    if error < 5e-2:
+    if error < FLASH_TOLERANCE:
         return True
     warnings.warn(f"flash-attn's varlen attention disagrees with the torch path ({reason}); packed drafter training "
                   "uses the torch path. Please report this with your flash-attn version.", stacklevel=3)
     return False
+
+
+def backend_difference(backend, packed: PackedSequences, step: int, heads: int = 8, kv_heads: int = 2,
+                       head_dim: int = 64, seed: int = 0) -> float:
+    """How far ``backend`` is from :class:`TorchVarlen` on draft step ``step`` of random bfloat16 inputs over
+    ``packed``: the largest difference of the output and of every gradient, relative to each tensor's scale (flash
+    rounds P and dS to bfloat16 in its backward). Below :data:`FLASH_TOLERANCE` counts as equal."""
+    device = packed.positions.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    leaves = [torch.randn(packed.total, h, head_dim, generator=generator, device=device, dtype=torch.bfloat16)
+              .requires_grad_() for h in [heads] + [kv_heads] * 2 * (step + 1)]
+    grad_out = torch.randn(packed.total, heads, head_dim, generator=generator, device=device, dtype=torch.bfloat16)
+    results = []
+    # the first caller may be under no_grad (evaluate) or autocast: the comparison needs neither
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for candidate in (TorchVarlen(), backend):
+            out = packed_ttt_attention(leaves[0], leaves[1 : step + 2], leaves[step + 2 :], packed, candidate)
+            results.append([out.detach(), *torch.autograd.grad(out, leaves, grad_out)])
+    return max(float((a.float() - b.float()).abs().max() / (1 + b.float().abs().max()))
+               for a, b in zip(*results, strict=True))
 
 
 def varlen_backend(q: torch.Tensor, prefer: str = "auto"):

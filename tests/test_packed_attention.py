@@ -13,8 +13,10 @@ from tiny_models import PAD, padded_prompts, tiny_model
 
 from tlt_trainers import DrafterTrainer, Eagle3Drafter, EagleDrafter
 from tlt_trainers.kernels.packed_attention import (
+    FLASH_TOLERANCE,
     PackedSequences,
     TorchVarlen,
+    backend_difference,
     flash_varlen_available,
     packed_ttt_attention,
     varlen_backend,
@@ -206,6 +208,20 @@ def test_layout_choice_and_clear_errors(model):
     assert isinstance(varlen_backend(torch.zeros(4, 2, 8)), TorchVarlen)
     with pytest.raises(ValueError, match="at least one token"):
         PackedSequences.from_lengths([3, 0])
+
+
+def test_backend_difference_catches_a_backend_with_a_wrong_normaliser():
+    """The check flash-attn must pass before packed training uses it (flash_varlen_available) tells a wrong backend."""
+    packed = PackedSequences.from_lengths([5, 1, 19, 8])
+    assert backend_difference(TorchVarlen(), packed, step=1, heads=4, kv_heads=2) == 0.0
+
+    class ShiftedLse(TorchVarlen):
+        @staticmethod
+        def forward(*args):
+            out, lse = TorchVarlen.forward(*args)
+            return out, lse + 0.5
+
+    assert backend_difference(ShiftedLse(), packed, step=1, heads=4, kv_heads=2) > FLASH_TOLERANCE
 
 
 def flash_ready() -> bool:

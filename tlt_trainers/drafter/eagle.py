@@ -125,8 +125,10 @@ def unroll(attention: DrafterAttention, layer, first_features: torch.Tensor, pos
     :func:`~tlt_trainers.kernels.packed_attention.packed_ttt_attention` (flash-attn's varlen kernel where it runs).
     A sequence's first token then reads the previous sequence's last prediction at steps d >= 1: never scored.
     """
-    if isinstance(valid, PackedSequences):
-        return _unroll_packed(attention, layer, first_features, positions, valid, depth)
+    packed = valid if isinstance(valid, PackedSequences) else None
+    if packed is not None and (first_features.shape[0] != 1 or first_features.shape[1] != packed.total):
+        raise ValueError(f"Packed sequences of {packed.total} tokens go in one row [1, {packed.total}, F], got "
+                         f"{tuple(first_features.shape)}.")
     keys, values, outputs = [], [], []
     for step in range(depth):
         if step == 0:
@@ -135,30 +137,15 @@ def unroll(attention: DrafterAttention, layer, first_features: torch.Tensor, pos
             features = torch.cat([outputs[-1][:, :1], outputs[-1][:, :-1]], dim=1)
 
         def attend(x, step=step):
-            query, key, value = attention.project(x, positions)
-            keys.append(key)
-            values.append(value)
-            mask = ttt_mask(step, valid, x.dtype)
-            return attention.attend(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-
-        outputs.append(layer(features, attend))
-    return outputs
-
-
-def _unroll_packed(attention: DrafterAttention, layer, first_features, positions, packed: PackedSequences,
-                   depth: int) -> list[torch.Tensor]:
-    if first_features.shape[0] != 1 or first_features.shape[1] != packed.total:
-        raise ValueError(f"Packed sequences of {packed.total} tokens go in one row [1, {packed.total}, F], got "
-                         f"{tuple(first_features.shape)}.")
-    keys, values, outputs = [], [], []
-    for step in range(depth):
-        features = first_features if step == 0 else torch.cat([outputs[-1][:, :1], outputs[-1][:, :-1]], dim=1)
-
-        def attend(x):
-            query, key, value = attention.project(x, positions)  # [1, heads, T, D]
-            keys.append(key[0].transpose(0, 1))
+            query, key, value = attention.project(x, positions)  # [B, heads, L, D]
+            if packed is None:
+                keys.append(key)
+                values.append(value)
+                mask = ttt_mask(step, valid, x.dtype)
+                return attention.attend(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+            keys.append(key[0].transpose(0, 1))  # [T, heads, D]
             values.append(value[0].transpose(0, 1))
-            out = packed_ttt_attention(query[0].transpose(0, 1), keys, values, packed)  # [T, heads, D]
+            out = packed_ttt_attention(query[0].transpose(0, 1), keys, values, packed)
             return attention.o_proj(out.reshape(1, packed.total, -1))
 
         outputs.append(layer(features, attend))

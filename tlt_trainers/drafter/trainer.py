@@ -95,21 +95,31 @@ def policy_targets(target: TargetModel, final: torch.Tensor, k: int = TARGET_TOP
 
 @dataclass
 class DrafterBatch:
-    """One micro-batch, [b, L] padded (``layout``: the real positions [b, L]) or [1, T] packed (``layout``: the
-    :class:`PackedSequences`): features [.., F], the next token x_{t+1} and the one after it, each position's place
-    in its sequence and that sequence's length, and the policy's top-k targets (ids, probabilities) if cached."""
+    """One micro-batch, [b, L] padded or [1, T] packed (``packed``: the :class:`PackedSequences`): features [.., F],
+    the next token x_{t+1} and the one after it, each position's place in its sequence and that sequence's length,
+    and the policy's top-k targets (ids, probabilities) if cached."""
 
     hidden: torch.Tensor
     next_tokens: torch.Tensor
     following: torch.Tensor
     positions: torch.Tensor
     lengths: torch.Tensor
-    layout: torch.Tensor | PackedSequences
     targets: tuple[torch.Tensor, torch.Tensor] | None
+    packed: PackedSequences | None = None
+
+    @property
+    def real(self) -> torch.Tensor:
+        """The positions that hold a token [.., L] (all of them when packed)."""
+        return self.positions < self.lengths
+
+    @property
+    def layout(self) -> torch.Tensor | PackedSequences:
+        """What ``forward_unrolled`` attends by: the packed sequences, or the padded rows' real positions."""
+        return self.real if self.packed is None else self.packed
 
     @property
     def num_tokens(self) -> int:
-        return int((self.positions < self.lengths).sum())
+        return int(self.real.sum())
 
 
 def regresses_features(drafter: Drafter) -> bool:
@@ -279,8 +289,7 @@ class DrafterTrainer:
         positions = torch.arange(length, device=device).expand(len(sequences), -1)
         return DrafterBatch(hidden=hidden, next_tokens=tokens[:, 1:],
                             following=torch.cat([tokens[:, 2:], tokens[:, -1:]], dim=1), positions=positions,
-                            lengths=lengths[:, None].expand(-1, length), layout=positions < lengths[:, None],
-                            targets=targets)
+                            lengths=lengths[:, None].expand(-1, length), targets=targets)
 
     def _packed_batch(self, sequences: list[BufferedSequence]) -> DrafterBatch:
         device = self.target.device
@@ -294,18 +303,16 @@ class DrafterTrainer:
             targets = (torch.cat([seq.target_ids for seq in sequences]).to(device=device, dtype=torch.long)[None],
                        torch.cat([seq.target_probs for seq in sequences]).to(device=device, dtype=torch.float32)[None])
         return DrafterBatch(hidden=hidden[None], next_tokens=next_tokens[None], following=following[None],
-                            positions=packed.positions[None], lengths=packed.token_lengths[None], layout=packed,
-                            targets=targets)
+                            positions=packed.positions[None], lengths=packed.token_lengths[None], targets=targets,
+                            packed=packed)
 
     def _loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
         """Loss on one micro-batch and its metrics."""
         if not regresses_features(self.drafter):
             return self._token_loss(batch)
-        if not isinstance(batch.layout, torch.Tensor):
-            raise ValueError("EAGLE-1 drafters train on padded micro-batches (attention='padded').")
-        drafter = self.drafter
+        drafter = self.drafter  # EAGLE-1: always padded (packs_sequences)
         hidden, positions, lengths = batch.hidden, batch.positions, batch.lengths
-        valid = batch.layout  # pair (h_t, x_{t+1}) exists
+        valid = batch.real  # pair (h_t, x_{t+1}) exists
         has_target = positions + 1 < lengths  # h_{t+1} exists to be predicted
         outputs = drafter.forward_unrolled(hidden, batch.next_tokens, positions, valid, self.unroll_steps)
         target_feature = torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1)
@@ -343,7 +350,7 @@ class DrafterTrainer:
             mass = probs.sum(-1)
             target_probs = probs / mass.clamp(min=1e-6)[..., None]
             top1 = draft_ids[..., 0]  # the policy's most likely token (-1: not draftable)
-            scored = (positions < lengths) & (mass > 1e-6)
+            scored = batch.real & (mass > 1e-6)
         else:  # the token that followed: drawn from the policy by the rollout itself
             draft_ids = t2d[batch.following][..., None]
             target_probs = torch.ones_like(draft_ids, dtype=torch.float32)
