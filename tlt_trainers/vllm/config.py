@@ -142,3 +142,43 @@ def batch_size_schedule(num_speculative_tokens: int, max_speculative_batch_size:
     if cap >= max_batch_size:
         return [(1, max_batch_size, k)]
     return [(1, cap, k), (cap + 1, max_batch_size, 0)]
+
+
+ADAPTIVE_SCHEDULER = "tlt_trainers.vllm.scheduler.AdaptiveSpeculationScheduler"
+# The initial schedule's cut-off when none is set: with an adaptive schedule only CUDA-graph capture reads it (vLLM
+# captures decode graphs for the draft lengths and batch sizes it contains), so it is where speculation is likely to
+# pay on a GPU; the steps' lengths are chosen by the scheduler.
+INITIAL_SPECULATIVE_BATCH_SIZE = 32
+SPECULATION_MODES = ("adaptive", "always", "never")
+
+
+def speculation_schedule(speculation: str, num_speculative_tokens: int,
+                         max_speculative_batch_size: int | None = None, **settings: Any) -> tuple[dict, dict]:
+    """How vLLM speculates under TLT's ``speculation`` setting: ``(speculative_config fields, LLM keyword
+    arguments)``.
+
+    * ``"adaptive"``: vLLM's dynamic speculative decoding with TLT's scheduler
+      (:class:`~tlt_trainers.vllm.scheduler.AdaptiveSpeculationScheduler`), which chooses each step's draft length
+      (``num_speculative_tokens`` or 0) per batch bucket from the running engine's measured step costs and live
+      acceptance; ``max_speculative_batch_size`` caps it; ``settings``: other
+      :class:`~tlt_trainers.vllm.schedule.SpeculationSettings` fields.
+    * ``"always"``: ``num_speculative_tokens`` at every step, or up to ``max_speculative_batch_size`` running requests
+      (vLLM's static schedule).
+    * ``"never"``: raises; start the engine without a speculative config instead.
+    """
+    if speculation not in SPECULATION_MODES:
+        raise ValueError(f"speculation={speculation!r} is not one of {SPECULATION_MODES}.")
+    if speculation == "never":
+        raise ValueError("speculation='never' runs vLLM without a speculative config; there is no schedule to build.")
+    k = int(num_speculative_tokens)
+    if speculation == "always":
+        schedule = batch_size_schedule(k, max_speculative_batch_size)
+        return ({"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}), {}
+    from .schedule import SpeculationSettings
+
+    SpeculationSettings(num_speculative_tokens=k, max_speculative_batch_size=max_speculative_batch_size,
+                        **settings)  # errors at configuration time, not in the engine process
+    initial = batch_size_schedule(k, max_speculative_batch_size or INITIAL_SPECULATIVE_BATCH_SIZE)
+    tlt = {"num_speculative_tokens": k, "max_speculative_batch_size": max_speculative_batch_size, **settings}
+    return ({"num_speculative_tokens_per_batch_size": initial},
+            {"scheduler_cls": ADAPTIVE_SCHEDULER, "additional_config": {"tlt_speculation": tlt}})

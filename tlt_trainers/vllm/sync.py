@@ -23,6 +23,7 @@ from ..drafter.export_eagle3 import eagle3_weights, export_eagle3_vllm
 from ._install import VLLM_INSTALL_HINT, require_vllm, vllm_version
 from .config import EXTENSION, check_drafter_matches, speculative_config
 from .metrics import SpecDecodeCounters, spec_decode_counters
+from .schedule import engine_scheduler
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,9 @@ class VLLMDrafterSync:
         results = self.llm.collective_rpc("tlt_reload_drafter", args=args)
         if reset_prefix_cache:
             self.llm.reset_prefix_cache()
+        adaptive = getattr(engine_scheduler(self.llm), "tlt_speculation", None)
+        if adaptive is not None:  # an adaptive schedule in this process: measure the new drafter afresh
+            adaptive.note_drafter_update()
         self.version += 1
         return PushTiming(convert_seconds=convert, reload_seconds=max(r["seconds"] for r in results),
                           total_seconds=time.perf_counter() - start, tensors=len(tensors), version=self.version)

@@ -1,0 +1,143 @@
+"""The adaptive speculative-length schedule for vLLM (tlt_trainers/vllm/schedule.py), driven by injected step costs and
+acceptance: no vLLM needed. The scheduler that feeds it inside a real engine is tested in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tlt_trainers.vllm.config import ADAPTIVE_SCHEDULER, speculation_schedule
+from tlt_trainers.vllm.schedule import AdaptiveSpeculation, SpeculationSettings
+
+K = 3
+
+
+def cpu_like_cost(batch: int, length: int) -> float:
+    """Seconds of a step: a CPU-like device, where verifying k + 1 tokens per row costs more the larger the batch
+    (1.3x plain at batch 1, about 3x at 32) and each of the k drafter passes costs 3% of a plain step."""
+    plain = 0.05 * (1 + 0.2 * batch)
+    if length == 0:
+        return plain
+    return plain * (1 + length * (0.1 + 0.02 * batch)) + 0.03 * length * 0.05
+
+
+def run(schedule: AdaptiveSpeculation, batch: int, steps: int, accepted_per_position: tuple[int, ...],
+        cost=cpu_like_cost) -> list[int]:
+    """``steps`` engine steps at ``batch`` running requests; every draft has ``accepted_per_position`` accepted
+    (per batch row, as counts over the batch). Returns the lengths chosen."""
+    chosen, previous = [], None
+    for _ in range(steps):
+        length = schedule.choose(batch)
+        if previous == length:  # a switching step is not a clean measurement (the engine does not count it either)
+            schedule.observe_step(batch, length, cost(batch, length))
+            if length:
+                schedule.observe_drafts(batch, [a * batch for a in accepted_per_position])
+        chosen.append(length)
+        previous = length
+    return chosen
+
+
+GOOD = (1, 1, 1)  # every draft fully accepted: 4 tokens per verify step
+USELESS = (0, 0, 0)  # an untrained drafter
+
+
+def test_an_untrained_drafter_is_tried_then_switched_off_everywhere():
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    for batch in (32, 8, 1):
+        chosen = run(schedule, batch, 200, USELESS)
+        assert chosen[-100:].count(K) <= 5, (batch, chosen)  # at most one trial (backing off) in the last 100
+        assert chosen.count(K) <= 15  # a few trial steps, not more
+    assert schedule.expected_tokens(K) == 1.0
+    assert all(length == 0 for length in schedule.schedule().values())
+    reasons = [d["reason"] for d in schedule.decisions]
+    assert any(r.startswith("trial") for r in reasons) and any(r.startswith("loses") for r in reasons)
+
+
+def test_a_good_drafter_speculates_where_it_pays_and_not_where_it_does_not():
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    at_1 = run(schedule, 1, 200, GOOD)
+    assert at_1[-100:].count(K) >= 90  # plain refreshes now and then
+    # at batch 64 a chain costs 1 + 3 * 1.38 = 5.1x plain: 4 tokens per step do not pay for it
+    at_64 = run(schedule, 64, 200, GOOD)
+    assert at_64[-100:] == [0] * 100
+    assert schedule.schedule()[1] == K and schedule.schedule()[64] == 0
+    # the decision follows the measured costs: value = tokens * plain / speculative
+    assert schedule.value(1, K) == pytest.approx(4 * cpu_like_cost(1, 0) / cpu_like_cost(1, K), rel=1e-6)
+
+
+def test_costs_decide_on_a_gpu_like_device_too():
+    """Where a verify pass over k + 1 tokens costs about what one token costs (a GPU at small batch), a drafter
+    accepting one token in two pays at every batch size measured."""
+    def gpu(batch, length):
+        return 0.02 * (1 + 0.01 * batch) * (1 + 0.05 * length)
+
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    for batch in (64, 16, 1):
+        chosen = run(schedule, batch, 150, (1, 0, 0), cost=gpu)
+        assert chosen[-50:].count(K) >= 45, (batch, chosen[-50:])
+
+
+def test_a_drafter_that_gets_better_gets_switched_on():
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    assert run(schedule, 2, 300, USELESS)[-100:].count(K) <= 5
+    schedule.note_drafter_update()  # a trained drafter was pushed into the engine
+    assert run(schedule, 2, 100, GOOD)[-50:].count(K) >= 45
+    assert schedule.drafter_updates == 1
+
+
+def test_without_an_update_signal_exploration_finds_the_better_drafter():
+    """A server whose drafter improved without telling the schedule (only vLLM's prefix-cache reset after a weight
+    sync): trials resume within the exploration interval."""
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K, explore_interval=16))
+    assert run(schedule, 1, 300, USELESS)[-100:].count(K) <= 5
+    schedule.note_weights_may_have_changed()
+    chosen = run(schedule, 1, 200, GOOD)
+    assert chosen[-50:].count(K) >= 45, chosen
+
+
+def test_exploration_of_a_losing_drafter_backs_off():
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K, explore_interval=8))
+    chosen = run(schedule, 1, 3000, USELESS)
+    trials = sum(1 for d in schedule.decisions if d["reason"].startswith("trial"))
+    assert sum(1 for length in chosen if length) / len(chosen) < 0.02
+    assert trials <= 10  # 8, 16, 32, ... steps between trials: logarithmic in the steps
+
+
+def test_max_speculative_batch_size_caps_the_schedule():
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K, max_speculative_batch_size=4))
+    assert set(run(schedule, 8, 100, GOOD)) == {0}
+    assert K in run(schedule, 4, 100, GOOD)
+
+
+def test_acceptance_is_a_window_of_recent_drafts():
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K, window_drafts=10))
+    assert schedule.expected_tokens(K) == pytest.approx(1 + 0.5 + 0.3 + 0.2)  # the prior, before any draft
+    schedule.observe_drafts(10, [10, 10, 10])
+    assert schedule.expected_tokens(K) == 4.0 and schedule.expected_tokens(1) == 2.0
+    schedule.observe_drafts(10, [0, 0, 0])  # the older drafts leave the window
+    assert schedule.expected_tokens(K) == 1.0
+    schedule.note_weights_may_have_changed()
+    assert schedule.expected_tokens(K) == 1.0  # kept until new drafts arrive ...
+    schedule.observe_drafts(4, [2, 0, 0])
+    assert schedule.expected_tokens(K) == 1.5  # ... which replace them
+    assert math.isnan(schedule.value(1, K))  # no cost measured yet
+
+
+def test_settings_are_checked_and_the_engine_arguments_built():
+    spec, engine = speculation_schedule("adaptive", 3)
+    assert engine["scheduler_cls"] == ADAPTIVE_SCHEDULER
+    assert engine["additional_config"]["tlt_speculation"] == {"num_speculative_tokens": 3,
+                                                              "max_speculative_batch_size": None}
+    assert spec["num_speculative_tokens_per_batch_size"][0] == (1, 32, 3)  # vLLM's dynamic mode, on
+    spec, engine = speculation_schedule("always", 3, 8)
+    assert engine == {} and spec["num_speculative_tokens_per_batch_size"] == [(1, 8, 3), (9, 1 << 16, 0)]
+    assert speculation_schedule("always", 3) == ({}, {})
+    with pytest.raises(ValueError, match="never"):
+        speculation_schedule("never", 3)
+    with pytest.raises(ValueError, match="one of"):
+        speculation_schedule("sometimes", 3)
+    with pytest.raises(ValueError, match="max_speculative_batch_size"):
+        speculation_schedule("adaptive", 3, 0)
+    with pytest.raises(TypeError):
+        speculation_schedule("adaptive", 3, min_gian=0.1)  # a misspelt setting fails here, not in the engine

@@ -1,0 +1,270 @@
+"""The speculative length per running-batch-size bucket on vLLM, chosen from what the running engine measures.
+
+``speculation="adaptive"`` means on vLLM what it means in TLT's own engine: speculate only where it pays. vLLM
+speculates with a per-batch-size schedule (its ``num_speculative_tokens_per_batch_size``: K draft tokens per
+request while b requests run, 0 = off); :class:`AdaptiveSpeculation` keeps that schedule and re-chooses it from two
+measurements, both taken from the steps the engine runs anyway (no profiling pass):
+
+* **the step cost** per power-of-two batch bucket and draft length (0 = plain), an exponential moving average of
+  the seconds a decode step took (:meth:`observe_step`). Steps that mix prefill in, or that change the draft length
+  (the first step after a switch verifies the old length and proposes the new one), are not counted.
+* **the drafter's live acceptance**, from the per-request draft and accepted-token counts vLLM's own
+  ``spec_decode`` counters are made of, over a window of recent drafts. ``accepted_per_position[i] / drafts`` is
+  the chance that at least i + 1 draft tokens are accepted, so a draft of length K yields
+  ``1 + sum(accepted_per_position[:K]) / drafts`` tokens per verify step.
+
+The value of length K at bucket b is ``tokens(K) * cost(b, 0) / cost(b, K)``: tokens per second relative to plain
+decoding at that batch size. K is used where that exceeds ``1 + min_gain``; plain decoding is the default wherever
+nothing is known. Exploration keeps the choice honest:
+
+* where speculation is off and its value is unknown or stale, K is tried for ``trial_steps`` steps, first where it
+  is cheapest to learn (the smallest bucket); a trial that loses backs the next one off (the interval doubles, up
+  to ``max_explore_interval`` steps), so a drafter that cannot pay costs a vanishing share of steps;
+* a drafter update (:meth:`note_drafter_update`) empties the acceptance window and resets the back-off: a drafter
+  that got better is tried again at once;
+* where speculation is on, the plain reference is re-measured every ``refresh_steps`` steps of that bucket
+  (contexts grow and machines drift, so only costs measured close in time compare).
+
+Pure Python, no vLLM: :mod:`tlt_trainers.vllm.scheduler` feeds it from inside vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rollout.costs import selector_bucket
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """What :class:`AdaptiveSpeculation` decides with; the defaults suit CPUs and GPUs alike."""
+
+    num_speculative_tokens: int = 3
+    max_speculative_batch_size: int | None = None  # never speculate above this many running requests
+    min_gain: float = 0.03  # speculate where it is expected to be at least this much faster than plain
+    trial_steps: int = 4  # measured steps of a trial (plus the one that switches)
+    refresh_steps: int = 64  # re-measure plain in a bucket after this many speculative steps there
+    explore_interval: int = 32  # steps in a bucket between trials of a length that lost (doubles after each loss)
+    max_explore_interval: int = 1024
+    window_drafts: int = 512  # acceptance over the most recent drafts
+    cost_smoothing: float = 0.3  # weight of the newest step in a cost's moving average
+    prior_accepted_per_position: tuple[float, ...] = (0.5, 0.3, 0.2, 0.1)  # before any draft: worth one trial
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1.")
+        if self.max_speculative_batch_size is not None and self.max_speculative_batch_size < 1:
+            raise ValueError("max_speculative_batch_size must be >= 1 (or None: decided from measured costs).")
+        if self.trial_steps < 1 or self.refresh_steps < 1 or self.explore_interval < 1:
+            raise ValueError("trial_steps, refresh_steps and explore_interval must be >= 1.")
+
+
+@dataclass
+class _Cost:
+    seconds: float = math.nan
+    samples: int = 0
+    updated: int = -1  # bucket step at the last sample
+
+
+@dataclass
+class _Bucket:
+    steps: int = 0  # decisions taken in this bucket
+    length: int = 0  # the length in force
+    trial: int = 0  # steps left of a trial (or a plain refresh)
+    trial_length: int = 0
+    explore_at: int = 0  # bucket step from which the next trial may start
+    explore_interval: int = 0
+    costs: dict[int, _Cost] = field(default_factory=dict)
+
+
+class AdaptiveSpeculation:
+    """Choose vLLM's draft length per batch bucket from measured step costs and live acceptance (module doc)."""
+
+    def __init__(self, settings: SpeculationSettings | None = None):
+        self.settings = settings or SpeculationSettings()
+        self.buckets: dict[int, _Bucket] = {}
+        self._drafts: deque[tuple[int, tuple[int, ...]]] = deque()  # (drafts, accepted per position) per step
+        self._window = [0, [0] * self.settings.num_speculative_tokens]
+        self._stale = False  # drafts seen so far belong to weights that have been replaced
+        self.decisions: list[dict] = []  # changes of the length in force, with what they were decided on
+        self.drafter_updates = 0
+        self.steps = 0
+        self.speculative_steps = 0
+        self._last_draft_step = 0
+
+    # ----------------------------------------------------------------- acceptance
+    def observe_drafts(self, drafts: int, accepted_per_position: list[int] | tuple[int, ...]) -> None:
+        """One step's drafts: how many requests carried a draft and, per position i, how many had token i accepted."""
+        if drafts <= 0:
+            return
+        if self._stale:
+            self._clear_window()
+        k = self.settings.num_speculative_tokens
+        row = tuple(int(a) for a in list(accepted_per_position)[:k]) + (0,) * max(0, k - len(accepted_per_position))
+        self._drafts.append((int(drafts), row))
+        self._last_draft_step = self.steps
+        self._window[0] += int(drafts)
+        self._window[1] = [a + b for a, b in zip(self._window[1], row)]
+        while len(self._drafts) > 1 and self._window[0] - self._drafts[0][0] >= self.settings.window_drafts:
+            old, old_row = self._drafts.popleft()
+            self._window[0] -= old
+            self._window[1] = [a - b for a, b in zip(self._window[1], old_row)]
+
+    @property
+    def observed_drafts(self) -> int:
+        return self._window[0]
+
+    def expected_tokens(self, length: int) -> float:
+        """Tokens per verify step with drafts of ``length`` (1 = plain), from the acceptance window (the prior
+        before any draft)."""
+        if length <= 0:
+            return 1.0
+        drafts, accepted = self._window
+        if drafts == 0:
+            return self._prior_tokens(length)
+        return 1.0 + sum(accepted[:length]) / drafts
+
+    def note_drafter_update(self) -> None:
+        """The drafter's weights changed: forget its acceptance and try it again where it lost."""
+        self.drafter_updates += 1
+        self._clear_window()
+        for bucket in self.buckets.values():
+            bucket.explore_at = bucket.steps
+            bucket.explore_interval = 0
+
+    def note_weights_may_have_changed(self) -> None:
+        """Weights were reloaded, the policy's or the drafter's (vLLM's prefix cache was reset, as after every weight
+        sync): drafts made from now on replace the acceptance window, and the back-off restarts, so a drafter that got
+        better is tried again within ``explore_interval`` steps."""
+        self._stale = True
+        for bucket in self.buckets.values():
+            bucket.explore_interval = 0
+            bucket.explore_at = min(bucket.explore_at, bucket.steps + self.settings.explore_interval)
+
+    def _clear_window(self) -> None:
+        self._drafts.clear()
+        self._window = [0, [0] * self.settings.num_speculative_tokens]
+        self._stale = False
+
+    # ----------------------------------------------------------------- costs
+    def _bucket(self, batch: int) -> _Bucket:
+        return self.buckets.setdefault(selector_bucket(batch), _Bucket())
+
+    def observe_step(self, batch: int, length: int, seconds: float) -> None:
+        """A decode step of ``batch`` requests that verified and proposed drafts of ``length`` (0: plain)."""
+        if batch < 1 or not (seconds > 0) or not math.isfinite(seconds):
+            return
+        bucket = self._bucket(batch)
+        cost = bucket.costs.setdefault(length, _Cost())
+        alpha = self.settings.cost_smoothing
+        cost.seconds = seconds if cost.samples == 0 else (1 - alpha) * cost.seconds + alpha * seconds
+        cost.samples += 1
+        cost.updated = bucket.steps
+
+    def _cost(self, bucket_key: int, length: int) -> float:
+        cost = self.buckets.get(bucket_key, _Bucket()).costs.get(length)
+        return cost.seconds if cost is not None and cost.samples else math.nan
+
+    def cost_ratio(self, bucket_key: int, length: int) -> float:
+        """cost(length) / cost(plain) measured at this bucket (NaN where either is not measured)."""
+        return self._cost(bucket_key, length) / self._cost(bucket_key, 0)
+
+    def value(self, batch: int, length: int) -> float:
+        """Expected tokens per second relative to plain decoding at this batch size (NaN: cost unknown)."""
+        return 1.0 if length == 0 else self.expected_tokens(length) / self.cost_ratio(selector_bucket(batch), length)
+
+    # ----------------------------------------------------------------- decisions
+    def choose(self, batch: int) -> int:
+        """The draft length for a step of ``batch`` running requests (0: plain)."""
+        s, k = self.settings, self.settings.num_speculative_tokens
+        self.steps += 1
+        key = selector_bucket(batch)
+        bucket = self._bucket(batch)
+        bucket.steps += 1
+        if s.max_speculative_batch_size is not None and batch > s.max_speculative_batch_size:
+            return self._set(key, bucket, 0, "above max_speculative_batch_size")
+        if bucket.trial > 0:
+            bucket.trial -= 1
+            return self._set(key, bucket, bucket.trial_length, "trial" if bucket.trial_length else "plain refresh")
+        plain = bucket.costs.get(0)
+        if plain is None or plain.samples == 0:
+            return self._set(key, bucket, 0, "measuring plain")
+        own = self._cost(key, k) / plain.seconds
+        if bucket.length == k:  # on: keep it while it pays, re-measuring plain now and then
+            if bucket.steps - plain.updated > s.refresh_steps:
+                return self._start(key, bucket, 0, "plain refresh")
+            value = self.expected_tokens(k) / own
+            if value >= 1.0 + s.min_gain:
+                return self._set(key, bucket, k, f"pays ({value:.2f}x)")
+            return self._lost(key, bucket, value)
+        if bucket.steps < bucket.explore_at:
+            return self._set(key, bucket, 0, "off")
+        # off: try it where its best case pays; cost ratios grow with the batch size, so a bucket not measured
+        # yet costs at least what the nearest smaller measured bucket costs
+        ratio = own if not math.isnan(own) else self._smaller_ratio(key)
+        tokens = self.expected_tokens(k)
+        if self.steps - self._last_draft_step > max(bucket.explore_interval, s.explore_interval):
+            tokens = max(tokens, self._prior_tokens(k))  # no recent drafts: what the drafter does now is unknown
+        value = tokens / ratio
+        if value >= 1.0 + s.min_gain:
+            return self._start(key, bucket, k, f"trial (best case {value:.2f}x)")
+        return self._set(key, bucket, 0, "off")
+
+    def _smaller_ratio(self, key: int) -> float:
+        k = self.settings.num_speculative_tokens
+        known = [b for b in self.buckets if b < key and not math.isnan(self._cost(b, k) / self._cost(b, 0))]
+        return self._cost(max(known), k) / self._cost(max(known), 0) if known else 1.0
+
+    def _prior_tokens(self, length: int) -> float:
+        prior = self.settings.prior_accepted_per_position
+        return 1.0 + sum(prior[i] if i < len(prior) else 0.0 for i in range(length))
+
+    def _start(self, key: int, bucket: _Bucket, length: int, reason: str) -> int:
+        bucket.trial, bucket.trial_length = self.settings.trial_steps, length
+        return self._set(key, bucket, length, reason)
+
+    def _lost(self, key: int, bucket: _Bucket, value: float) -> int:
+        interval = bucket.explore_interval * 2 if bucket.explore_interval else self.settings.explore_interval
+        bucket.explore_interval = min(interval, self.settings.max_explore_interval)
+        bucket.explore_at = bucket.steps + bucket.explore_interval
+        return self._set(key, bucket, 0, f"loses ({value:.2f}x)")
+
+    def _set(self, key: int, bucket: _Bucket, length: int, reason: str) -> int:
+        self.speculative_steps += length > 0
+        if length != bucket.length:
+            self.decisions.append({
+                "step": self.steps, "bucket": key, "length": length, "reason": reason,
+                "expected_tokens": round(self.expected_tokens(self.settings.num_speculative_tokens), 3),
+                "cost_ratio": round(self.cost_ratio(key, self.settings.num_speculative_tokens), 3),
+                "drafts": self.observed_drafts, "drafter_updates": self.drafter_updates})
+            bucket.length = length
+        return length
+
+    # ----------------------------------------------------------------- the schedule
+    def schedule(self) -> dict[int, int]:
+        """The length in force per bucket (upper end of the bucket's batch sizes -> length)."""
+        return {key: bucket.length for key, bucket in sorted(self.buckets.items())}
+
+    def state(self) -> dict:
+        """Everything the decisions rest on, for logs and metrics."""
+        k = self.settings.num_speculative_tokens
+        return {
+            "schedule": self.schedule(),
+            "expected_tokens": self.expected_tokens(k),
+            "drafts": self.observed_drafts,
+            "drafter_updates": self.drafter_updates,
+            "steps": self.steps,
+            "speculative_steps": self.speculative_steps,
+            "costs": {key: {length: round(c.seconds, 6) for length, c in bucket.costs.items() if c.samples}
+                      for key, bucket in sorted(self.buckets.items())},
+        }
+
+
+def engine_scheduler(llm) -> Any | None:
+    """The scheduler of an ``LLM`` whose engine core runs in this process (None where it runs in another)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    return getattr(core, "scheduler", None)
