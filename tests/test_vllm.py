@@ -290,3 +290,43 @@ def test_batch_size_cut_off_becomes_vllms_schedule():
     assert batch_size_schedule(4, 64, max_batch_size=64) == [(1, 64, 4)]
     with pytest.raises(ValueError, match="must be >= 1"):
         batch_size_schedule(3, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_adaptive_schedule_follows_the_drafter_on_the_real_engine(engine):
+    """speculation="adaptive" on a real engine (TLT's scheduler inside vLLM's): with the untrained drafter a trial at
+    batch 1 loses and speculation goes off; after pushing the trained drafter it is tried again, wins and stays on.
+    Greedy outputs stay plain vLLM's throughout."""
+    from vllm import SamplingParams
+
+    from tlt_trainers.vllm.config import speculation_schedule
+    from tlt_trainers.vllm.schedule import engine_scheduler
+
+    sync = VLLMDrafterSync(engine.untrained, engine.path, num_speculative_tokens=3)
+    spec, adaptive = speculation_schedule("adaptive", 3)
+    llm = sync.create_llm(engine.path, **ENGINE, speculative_config=sync.speculative_config(**spec), **adaptive)
+    try:
+        scheduler = engine_scheduler(llm)
+        assert type(scheduler).__name__.startswith("AdaptiveSpeculation")
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        for prompt, reference in zip(engine.prompts[:2], engine.reference[:2]):
+            assert _ids(llm.generate([prompt], greedy, use_tqdm=False)) == [reference]
+        state = scheduler.tlt_speculation_state()
+        reasons = [d["reason"] for d in state["decisions"]]
+        print(f"\nuntrained: {state['schedule']} {reasons}")
+        assert state["schedule"][1] == 0 and any(r.startswith("trial") for r in reasons)
+        assert any(r.startswith("loses") for r in reasons)
+
+        sync.push(engine.trained)
+        for prompt, reference in zip(engine.prompts[:2], engine.reference[:2]):
+            assert _ids(llm.generate([prompt], greedy, use_tqdm=False)) == [reference]
+        state = scheduler.tlt_speculation_state()
+        later = state["decisions"][len(reasons):]
+        print(f"trained: {state['schedule']} {[d['reason'] for d in later]} {state['expected_tokens']:.2f} tokens")
+        assert state["drafter_updates"] == 1 and state["schedule"][1] == 3
+        assert state["expected_tokens"] > 1.5 and state["costs"][1][3] > 0
+    finally:
+        del llm
+        sync.close()
+        gc.collect()

@@ -116,8 +116,18 @@ def test_the_printed_command_serves_a_drafter_that_pushes_reach(policy, tmp_path
 
     model, tok, path = policy
     assert main(["vllm-serve-args", "--model", path, "--out", str(tmp_path / "drafter")]) == 0
+    adaptive = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])  # the default: TLT's scheduler
+    assert adaptive[adaptive.index("--scheduler-cls") + 1] == "tlt_trainers.vllm.scheduler.AdaptiveSpeculationScheduler"
+    assert json.loads(adaptive[adaptive.index("--additional-config") + 1])["tlt_speculation"][
+        "num_speculative_tokens"] == 3
+    assert json.loads(adaptive[adaptive.index("--speculative_config") + 1])["num_speculative_tokens_per_batch_size"]
+    # drafts at every step, so the counters below compare the two drafters (the adaptive scheduler inside a
+    # `vllm serve` process runs in tests/test_verl_vllm.py, whose rollout servers are vLLM's API servers)
+    assert main(["vllm-serve-args", "--model", path, "--out", str(tmp_path / "drafter"), "--speculation",
+                 "always"]) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1]
     words = shlex.split(command)
+    assert "--scheduler-cls" not in words
     assert words[:2] == ["trl", "vllm-serve"] and words[words.index("--model") + 1] == path
     spec = json.loads(words[words.index("--speculative_config") + 1])
     extension = words[words.index("--worker-extension-cls") + 1]

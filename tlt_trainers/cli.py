@@ -85,6 +85,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--max-speculative-batch-size", type=int, default=None,
                    help="draft only while at most this many requests run (vLLM's batch-size schedule)")
+    p.add_argument("--speculation", default="adaptive", choices=("adaptive", "always"),
+                   help="adaptive (default): TLT's scheduler chooses each step's draft length per batch size from the "
+                   "server's measured costs and acceptance; always: draft at every step (up to the cut-off)")
 
 
 def serve_args_command(args) -> int:
@@ -93,7 +96,7 @@ def serve_args_command(args) -> int:
     from .drafter.eagle import EagleDrafter
     from .drafter.export import export_vllm
     from .pretrained import SMOLLM2_ALIASES, load_model, smollm2_hf_dir
-    from .vllm.config import batch_size_schedule
+    from .vllm.config import speculation_schedule
     from .vllm.server import serve_command
 
     model, _ = load_model(args.model)
@@ -104,11 +107,11 @@ def serve_args_command(args) -> int:
         drafter = EagleDrafter.from_target(model)
     out = export_vllm(drafter, args.out, model, num_speculative_tokens=args.num_speculative_tokens,
                       full_vocab_head=drafter.config.uses_draft_vocab)
-    schedule = batch_size_schedule(args.num_speculative_tokens, args.max_speculative_batch_size)
-    extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}
+    extra, engine = speculation_schedule(args.speculation, args.num_speculative_tokens,
+                                         args.max_speculative_batch_size)
     policy = smollm2_hf_dir() if str(args.model).lower() in SMOLLM2_ALIASES else args.model
     print(f"exported the drafter to {out}; serve the policy with it:\n")
-    print(serve_command(policy, Path(out).resolve(), args.num_speculative_tokens, **extra))
+    print(serve_command(policy, Path(out).resolve(), args.num_speculative_tokens, engine, **extra))
     return 0
 
 

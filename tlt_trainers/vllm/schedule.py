@@ -17,9 +17,12 @@ The value of length K at bucket b is ``tokens(K) * cost(b, 0) / cost(b, K)``: to
 decoding at that batch size. K is used where that exceeds ``1 + min_gain``; plain decoding is the default wherever
 nothing is known. Exploration keeps the choice honest:
 
-* where speculation is off and its value is unknown or stale, K is tried for ``trial_steps`` steps, first where it
-  is cheapest to learn (the smallest bucket); a trial that loses backs the next one off (the interval doubles, up
-  to ``max_explore_interval`` steps), so a drafter that cannot pay costs a vanishing share of steps;
+* where speculation is off, K is tried for ``trial_steps`` steps when its best case pays: the acceptance measured
+  (the prior before any draft, or when the weights changed since the last draft, or no draft was made for
+  ``max_explore_interval`` steps) over the bucket's own cost ratio, or where that is not measured yet the nearest
+  smaller bucket's (cost ratios grow with the batch size), or 1. A trial that loses backs the next one off (the
+  interval doubles, up to ``max_explore_interval`` steps), so a drafter that cannot pay costs a vanishing share of
+  steps;
 * a drafter update (:meth:`note_drafter_update`) empties the acceptance window and resets the back-off: a drafter
   that got better is tried again at once;
 * where speculation is on, the plain reference is re-measured every ``refresh_steps`` steps of that bucket
@@ -206,8 +209,8 @@ class AdaptiveSpeculation:
         # yet costs at least what the nearest smaller measured bucket costs
         ratio = own if not math.isnan(own) else self._smaller_ratio(key)
         tokens = self.expected_tokens(k)
-        if self.steps - self._last_draft_step > max(bucket.explore_interval, s.explore_interval):
-            tokens = max(tokens, self._prior_tokens(k))  # no recent drafts: what the drafter does now is unknown
+        if self._stale or self.steps - self._last_draft_step > s.max_explore_interval:
+            tokens = max(tokens, self._prior_tokens(k))  # weights changed since the last draft: acceptance unknown
         value = tokens / ratio
         if value >= 1.0 + s.min_gain:
             return self._start(key, bucket, k, f"trial (best case {value:.2f}x)")

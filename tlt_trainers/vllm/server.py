@@ -32,13 +32,18 @@ from .sync import PushTiming, _torch_dtype, write_weights
 
 
 def serve_command(policy: str | os.PathLike, drafter_dir: str | os.PathLike, num_speculative_tokens: int = 3,
-                  **speculative_extra: Any) -> str:
+                  engine_extra: dict[str, Any] | None = None, **speculative_extra: Any) -> str:
     """The ``trl vllm-serve`` command that serves ``policy`` with the drafter exported in ``drafter_dir``
-    (``speculative_extra``: other fields of vLLM's speculative config)."""
+    (``speculative_extra``: other fields of vLLM's speculative config; ``engine_extra``: other engine arguments,
+    passed through to ``vllm serve`` as flags, e.g. the adaptive schedule's ``scheduler_cls`` and
+    ``additional_config`` from :func:`~tlt_trainers.vllm.config.speculation_schedule`)."""
     spec = {"method": "eagle", "model": str(drafter_dir), "num_speculative_tokens": int(num_speculative_tokens),
             **speculative_extra}
+    flags = []
+    for name, value in (engine_extra or {}).items():
+        flags += ["--" + name.replace("_", "-"), value if isinstance(value, str) else json.dumps(value)]
     return shlex.join(["trl", "vllm-serve", "--model", str(policy), "--speculative_config", json.dumps(spec),
-                       "--worker-extension-cls", EXTENSION])
+                       "--worker-extension-cls", EXTENSION, *flags])
 
 
 class VLLMServerDrafterSync:
