@@ -13,9 +13,10 @@ acceptance length, drafter updates loaded into the engine.
 On a CPU, stock TRL's colocated engine cannot start (TRL asks vLLM for its ``external_launcher`` executor and loads
 weights with ``load_weights``, which vLLM's CPU backend does not support), so the baseline there is
 ``GRPOTrainer`` with only those two CPU fix-ups of :mod:`tlt_trainers.trl.vllm_colocate` (vLLM's ``uni`` executor,
-``reload_weights``) and no drafter. And on a CPU at temperature > 0 TLT's trainer runs vLLM without speculation
-(vLLM's CPU backend does not sample exactly when it speculates: ``check_vllm_sampling.py``), so there the ratio
-measures what training the drafter costs; on a GPU it measures the whole method. Writes
+``reload_weights``) and no drafter. TLT's trainer serves its drafter in vLLM at every temperature (exact on CPUs
+through TLT's vLLM plugin) under its default ``speculation="adaptive"``: vLLM drafts at the batch sizes where the
+running engine measures that it pays. The table adds the share of vLLM's steps that drafted and TRL's
+importance-sampling ratio between vLLM's and the trainer's log-probabilities. Writes
 benchmarks/results/bench_trl_vllm.json.
 """
 
@@ -36,9 +37,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_results  # noqa: E402
-
-TLT_KEYS = ("tlt/drafter_steps", "tlt/drafter_update_seconds", "tlt/acceptance_length", "tlt/drafter_updates_loaded",
-            "tlt/drafter_push_seconds")
 
 
 def parse_args():
@@ -158,19 +156,20 @@ def main() -> None:
                     f"{statistics.mean(r.get('tlt/drafter_steps', 0) for r in mine):.1f}",
                     f"{statistics.mean(r.get('tlt/drafter_update_seconds', 0) for r in mine):.2f}",
                     _fmt(statistics.mean(r.get("tlt/acceptance_length", float("nan")) for r in mine)),
-                    f"{max(r.get('tlt/drafter_updates_loaded', 0) for r in mine):.0f}"]
+                    f"{max(r.get('tlt/drafter_updates_loaded', 0) for r in mine):.0f}",
+                    _fmt(statistics.mean(r.get("tlt/vllm_speculative_step_fraction", float("nan")) for r in mine))]
         else:
-            row += ["1", "-", "-", "-", "-"]
+            row += ["1", "-", "-", "-", "-", "-"]
+        row.append(_fmt(statistics.mean(r.get("sampling/importance_sampling_ratio/mean", float("nan")) for r in mine)))
         rows.append(row)
-    speculating = torch.cuda.is_available() or args.temperature == 0
     print(f"TRL {trl.__version__}, vLLM {vllm.__version__}, SmolLM2-135M-Instruct, {args.prompts} prompts x "
           f"{args.num_generations} answers, up to {args.max_completion_length} tokens, temperature "
-          f"{args.temperature}, {args.steps} steps x {args.reps} reps; vLLM "
-          f"{'speculates with the drafter' if speculating else 'without speculation (CPU, sampling)'}:")
+          f"{args.temperature}, {args.steps} steps x {args.reps} reps; TLT: vLLM with the drafter, adaptive:")
     table = print_table(["trainer", "step s (median)", "completion tokens", "stock/TLT step time",
-                         "drafter steps/step", "drafter s/step", "acceptance length", "updates loaded"], rows)
+                         "drafter steps/step", "drafter s/step", "acceptance length", "updates loaded",
+                         "drafting steps", "IS ratio (mean)"], rows)
     write_results("bench_trl_vllm", {"trl": trl.__version__, "vllm": vllm.__version__, "settings": vars(args),
-                                     "speculating": speculating, "raw": raw, "table": table})
+                                     "raw": raw, "table": table})
 
 
 def _fmt(value: float) -> str:

