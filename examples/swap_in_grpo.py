@@ -10,7 +10,7 @@ speculative engine (the same distribution as `model.generate`) and the drafter t
 logs gain `tlt/*` metrics (acceptance length, drafter loss, ...) and the drafter is saved under
 `<output_dir>/drafter`. Settings of the drafter go in `TLTGRPOConfig` (a drop-in for `GRPOConfig`); a plain
 `GRPOConfig`, as here, uses the defaults. With ``--vllm`` TRL's own vLLM engine generates and serves the drafter,
-refreshed after every update (on a CPU vLLM runs without speculation: docs/vllm.md says why); stock TRL's colocated
+refreshed after every update and drafting where it pays (docs/vllm.md); stock TRL's colocated
 engine needs GPUs, so ``--stock --vllm`` runs only there.
 """
 

@@ -353,9 +353,10 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
         assert _metric(line, "training/rollout_probs_diff_mean") < 0.01, line
         assert _metric(line, "training/rollout_actor_probs_pearson_corr") > 0.99, line
     assert _metric(lines[2], "tlt/drafter_total_steps") > _metric(lines[1], "tlt/drafter_total_steps")
-    # the adaptive scheduler ran inside vLLM's server and decided (its log lines come from the server process)
-    assert "tlt speculation: batch bucket" in log, log[-4000:]
-    assert sum(_metric(lines[step], "tlt/draft_tokens") for step in (1, 2)) > 0
+    # vLLM's servers ran TLT's adaptive scheduler (in their engine-core processes, whose log stays there): it tried
+    # the drafter (a trial of its first rollout drafted) and, the random tiny policy accepting nothing, backed off
+    assert "tlt_trainers.vllm.scheduler.AdaptiveSpeculationScheduler" in log
+    assert _metric(lines[1], "tlt/draft_tokens") > 0
     # the drafter trained after step 1 was pushed into the running servers after the policy sync
     assert _metric(lines[2], "tlt/drafter_pushes") >= 1.0
     for step in (1, 2):
