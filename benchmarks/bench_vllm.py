@@ -109,8 +109,9 @@ def main() -> None:
                        distributed_executor_backend="uni", max_num_seqs=max(sizes))
     drafter, source = load_drafter(model, args)
     engines, syncs = {"plain": LLM(path, **engine_args)}, []
-    # "always" first: vLLM's spec-decode counters are process-wide and count the first speculating engine
-    for mode in ("always", "adaptive"):
+    # "always" last: vLLM's spec-decode counters live in the process-wide Prometheus registry, where the engine built
+    # last replaces the other's; adaptive's acceptance comes from its scheduler
+    for mode in ("adaptive", "always"):
         sync = VLLMDrafterSync(drafter, model, num_speculative_tokens=args.k,
                                full_vocab_head=drafter.config.uses_draft_vocab)
         spec, extra = speculation_schedule(mode, args.k)

@@ -6,14 +6,15 @@
 
 Lossless speculative decoding samples exactly what plain decoding samples. This check samples completions of the
 same chat prompts at ``--temperature`` (default 1.0, no top-p / top-k) with each speculation method, then scores
-every sampled token with the policy itself (a Hugging Face forward over prompt + completion, at temperature 1). Two
+every sampled token with the policy itself (a Hugging Face forward over prompt + completion, at temperature 1). The
 numbers per method:
 
-- *mean policy log-prob of the sampled tokens*: a property of the sampling distribution. Exact methods agree with
-  ``plain`` within noise (a few hundredths to a tenth of a nat at these sample sizes); a method that samples from
-  elsewhere reads far lower;
+- *mean policy log-prob of the sampled tokens* (± its standard error, completions as the independent units): a
+  property of the sampling distribution. Exact methods agree with ``plain`` within noise (a few hundredths to a tenth
+  of a nat at these sample sizes); a method that samples from elsewhere reads far lower;
 - *mean abs(policy - vLLM) log-prob*: vLLM's reported log-probabilities (``logprobs_mode="processed_logprobs"``:
-  after temperature) against the policy's at the same temperature (NaN when vLLM reports NaN); about 1e-5 in fp32.
+  after temperature) against the policy's at the same temperature (NaN when vLLM reports NaN); about 1e-5 in fp32;
+  *NaN reported* counts vLLM's NaN log-probs.
 
 The modes: ``plain`` (no speculation); ``eagle3-shipped``, the EAGLE-3 drafter shipped for SmolLM2
 (``tlt_trainers/shipped``, served with :class:`~tlt_trainers.vllm.VLLMDrafterSync`); ``eagle3-fresh`` and ``eagle``,
@@ -83,6 +84,16 @@ def score(hf_model, prompt: list[int], tokens: list[int], temperature: float) ->
     return torch.log_softmax(logits, dim=-1)[index], torch.log_softmax(logits / temperature, dim=-1)[index]
 
 
+def standard_error(per_completion: list[tuple[float, int]], mean: float) -> float:
+    """Standard error of the mean log-prob per token, with completions as the independent units (tokens of one
+    completion are not independent): sqrt(sum_i (S_i - mean n_i)^2 * m / (m - 1)) / sum_i n_i over the m completions'
+    log-prob sums S_i and lengths n_i."""
+    m, total = len(per_completion), sum(n for _, n in per_completion)
+    if m < 2:
+        return float("nan")
+    return (sum((s - mean * n) ** 2 for s, n in per_completion) * m / (m - 1)) ** 0.5 / total
+
+
 def counters(llm):
     from tlt_trainers.vllm import SpecDecodeCounters, spec_decode_counters
 
@@ -111,7 +122,7 @@ def check(mode: str, path: str, hf_model, tok, args) -> dict:
                            SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, logprobs=0),
                            use_tqdm=False)
     spec = (counters(llm) - before).as_dict() if speculates else None
-    policy_lp, gaps, eos, nan_reported = [], [], 0, 0
+    policy_lp, per_completion, gaps, eos, nan_reported = [], [], [], 0, 0
     for out, prompt in zip(sampled, requests):
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
@@ -122,6 +133,7 @@ def check(mode: str, path: str, hf_model, tok, args) -> dict:
         nan_reported += int(reported.isnan().sum())
         lp, lp_at_temperature = score(hf_model, prompt, tokens, args.temperature)
         policy_lp += lp.tolist()
+        per_completion.append((float(lp.sum()), len(tokens)))
         gaps += (lp_at_temperature - reported).abs().tolist()
     greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=args.max_tokens,
                                                                                      temperature=0.0), use_tqdm=False)
@@ -130,7 +142,9 @@ def check(mode: str, path: str, hf_model, tok, args) -> dict:
         sync.close()
     gc.collect()
     fixed = cpu_sampling_fix.applied()
-    return {"mode": mode, "sampled_tokens": len(policy_lp), "mean_policy_logprob": sum(policy_lp) / len(policy_lp),
+    mean = sum(policy_lp) / len(policy_lp)
+    return {"mode": mode, "sampled_tokens": len(policy_lp), "mean_policy_logprob": mean,
+            "mean_policy_logprob_se": standard_error(per_completion, mean),
             "mean_abs_logprob_gap": sum(gaps) / len(gaps), "nan_reported_logprobs": nan_reported,
             "ended_by_eos": eos / len(requests), "spec_decode": spec, "cpu_sampling_fix_applied": fixed,
             "seconds": time.perf_counter() - start, "greedy": [list(o.outputs[0].token_ids) for o in greedy]}
@@ -177,14 +191,15 @@ def main() -> None:
         spec = r["spec_decode"]
         proposed = "-" if spec is None else spec["num_draft_tokens"]
         accepted = "-" if spec is None else f"{spec['num_accepted_tokens']} ({spec['acceptance_rate']:.0%})"
-        rows.append([r["mode"], r["sampled_tokens"], f"{r['mean_policy_logprob']:.3f}",
+        mean = f"{r['mean_policy_logprob']:.3f} ± {r['mean_policy_logprob_se']:.3f}"
+        rows.append([r["mode"], r["sampled_tokens"], mean,
                      f"{r['mean_abs_logprob_gap']:.2e}", r["nan_reported_logprobs"], proposed, accepted,
                      f"{r['ended_by_eos']:.2f}", same, "yes" if r["cpu_sampling_fix_applied"] else "no"])
     title = (f"vLLM {vllm.__version__}, SmolLM2-135M-Instruct fp32, temperature {args.temperature}, {args.samples} "
              f"samples x {len(QUESTIONS)} questions, up to {args.max_tokens} tokens, k={args.k}; TLT's CPU sampling "
              f"fix: {fix_state}; {seconds:.0f} s:")
     print(title)
-    table = print_table(["mode", "sampled tokens", "mean policy log-prob", "mean abs(policy - vLLM) log-prob",
+    table = print_table(["mode", "sampled tokens", "mean policy log-prob ± s.e.", "mean abs(policy - vLLM) log-prob",
                          "NaN reported", "draft tokens", "accepted", "ended by EOS", "greedy identical to plain",
                          "CPU fix applied"],
                         rows)
