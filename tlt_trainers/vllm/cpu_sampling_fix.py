@@ -16,8 +16,8 @@ workers) *before* the CPU platform registers its kernel replacements, so the rep
 
 It is active only where the bug is: the cpu platform, a vLLM at or above :data:`FIRST_AFFECTED`, and an installed
 ``_expand_kernel_impl`` that still passes ``_ensure_int64(output)`` to the op (read from its source, so a vLLM
-release that ships PR #55006 turns the fix off by itself). It is idempotent and logs once per process what it
-replaced. ``TLT_VLLM_CPU_SAMPLING_FIX=0`` switches it off (for measuring the bug).
+release that ships PR #55006 turns the fix off by itself). It is idempotent and logs once per process, at the first
+expansion it computes, what it replaced. ``TLT_VLLM_CPU_SAMPLING_FIX=0`` switches it off (for measuring the bug).
 """
 
 from __future__ import annotations
@@ -42,22 +42,21 @@ def expand_batch_values(output: torch.Tensor, input_val: torch.Tensor, cu_num_to
     """What vLLM's ``expand_kernel`` computes, for any dtype: request i's value (``replace_to`` where it equals
     ``replace_from``) written into ``output`` at that request's token positions ``cu_num_tokens[i-1]:cu_num_tokens[i]``.
     """
+    if not _announced:
+        _announce()
     counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
     values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
     expanded = torch.repeat_interleave(values, counts)
     output[: expanded.numel()].copy_(expanded.to(output.dtype))
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return ()
 
 
 def needs_fix(vllm_version: str | None, expand_source: str | None, platform: str | None) -> bool:
@@ -65,10 +64,20 @@ def needs_fix(vllm_version: str | None, expand_source: str | None, platform: str
     installed ``_expand_kernel_impl`` (its source) still converting ``output`` to a throw-away int64 copy."""
     if platform != "cpu" or not vllm_version or expand_source is None:
         return False
-    return _version_tuple(vllm_version) >= FIRST_AFFECTED and BUGGY_CALL in expand_source.replace(" ", "")
+    return _release(vllm_version) >= FIRST_AFFECTED and BUGGY_CALL in expand_source.replace(" ", "")
 
 
 _applied: dict[str, str] = {}
+_announced: list[bool] = []
+
+
+def _announce() -> None:
+    """Say once per process, where vLLM's logging is set up (the first speculative step, not the plugin's load,
+    which comes before vLLM configures its loggers), what was replaced and why."""
+    _announced.append(True)
+    logger.info("tlt_trainers: replaced vLLM's CPU %s (it divides the rejection sampler's target logits by "
+                "uninitialised memory at temperature > 0, %s) with an exact PyTorch version.",
+                _applied.get("expand", "_expand_kernel_impl"), UPSTREAM_ISSUE)
 
 
 def _platform_name() -> str | None:
@@ -101,11 +110,9 @@ def register() -> None:
     if "vllm.v1.sample.rejection_sampler.expand_kernel" in getattr(dispatcher, "_registry", {}):
         logger.warning("tlt_trainers: vLLM registered its CPU kernel replacements before TLT's plugin loaded; "
                        "speculative sampling at temperature > 0 stays wrong in this process (%s).", UPSTREAM_ISSUE)
-    logger.info("tlt_trainers: replaced vLLM's CPU %s (it divides the rejection sampler's target logits by "
-                "uninitialised memory at temperature > 0, %s) with an exact PyTorch version.", _applied["expand"],
-                UPSTREAM_ISSUE)
 
 
 def applied() -> bool:
-    """Whether :func:`register` replaced vLLM's CPU expand in this process."""
+    """Whether :func:`register` replaced vLLM's CPU expand in this process (vLLM uses the replacement wherever it
+    uses its CPU kernel replacements, that is without a Triton CPU backend)."""
     return bool(_applied)
