@@ -75,6 +75,8 @@ class _AdaptiveSpeculationMixin:
                 1 + len(scheduler_output.scheduled_spec_decode_tokens.get(req, ()))
                 for req in scheduler_output.num_scheduled_tokens)
             steady = verified == length and pure_decode  # a step that verifies and proposes the same length
+            if len(self._tlt_pending) > 64:  # outputs that never came back (aborted engine steps): not steps to time
+                self._tlt_pending.clear()
             self._tlt_pending[id(scheduler_output)] = (self._tlt_schedule_start, batch, length if steady else -1)
             self._tlt_log_decisions()
         super()._update_after_schedule(scheduler_output)
