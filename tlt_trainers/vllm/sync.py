@@ -144,6 +144,12 @@ class VLLMDrafterSync:
         try:
             info = llm.collective_rpc("tlt_drafter_info")
         except Exception as err:
+            if "runs no drafter" in str(err):  # a worker with the extension (vLLM adds it to the worker class in this
+                # process once any engine used it) in an engine started without a speculative config
+                raise ValueError(
+                    "This vLLM engine runs no drafter: start it with VLLMDrafterSync.engine_kwargs() (the drafter's "
+                    f"speculative_config and worker_extension_cls={EXTENSION!r})."
+                ) from err
             if "tlt_drafter_info" in str(err) or isinstance(err, AttributeError):
                 raise ValueError(
                     "This vLLM engine was started without the drafter-reload extension: pass "
