@@ -62,16 +62,12 @@ def parse_args():
 
 
 def load_drafter(model, args):
-    from tlt_trainers.drafter.eagle import EagleDrafter
+    from tlt_trainers.drafter.base import Drafter
     from tlt_trainers.drafter.eagle3 import Eagle3Drafter
     from tlt_trainers.shipped import shipped_drafter_for
 
-    if args.drafter:
-        import json
-
-        config = json.loads((Path(args.drafter) / "config.json").read_text())
-        cls = Eagle3Drafter if config.get("architecture") == "Eagle3Drafter" else EagleDrafter
-        return cls.from_pretrained(args.drafter, target=model), args.drafter
+    if args.drafter:  # either architecture: Drafter.from_pretrained reads it from the saved config
+        return Drafter.from_pretrained(args.drafter, target=model), args.drafter
     if args.drafter_kind == "fresh":
         torch.manual_seed(0)
         return Eagle3Drafter.from_target(model), "Eagle3Drafter.from_target (untrained)"

@@ -195,7 +195,7 @@ class AdaptiveSpeculation:
         plain = bucket.costs.get(0)
         if plain is None or plain.samples == 0:
             return self._set(key, bucket, 0, "measuring plain")
-        own = self._cost(key, k) / plain.seconds
+        own = self.cost_ratio(key, k)
         if bucket.length == k:  # on: keep it while it pays, re-measuring plain now and then
             if bucket.steps - plain.updated > s.refresh_steps:
                 return self._start(key, bucket, 0, "plain refresh")
@@ -218,8 +218,8 @@ class AdaptiveSpeculation:
 
     def _smaller_ratio(self, key: int) -> float:
         k = self.settings.num_speculative_tokens
-        known = [b for b in self.buckets if b < key and not math.isnan(self._cost(b, k) / self._cost(b, 0))]
-        return self._cost(max(known), k) / self._cost(max(known), 0) if known else 1.0
+        known = [b for b in self.buckets if b < key and not math.isnan(self.cost_ratio(b, k))]
+        return self.cost_ratio(max(known), k) if known else 1.0
 
     def _prior_tokens(self, length: int) -> float:
         prior = self.settings.prior_accepted_per_position
