@@ -4,7 +4,7 @@ Start the engine with ``scheduler_cls="tlt_trainers.vllm.scheduler.AdaptiveSpecu
 ``additional_config={"tlt_speculation": {...}}`` (the fields of
 :class:`~tlt_trainers.vllm.schedule.SpeculationSettings`), plus a speculative config with a
 ``num_speculative_tokens_per_batch_size`` schedule (vLLM's dynamic speculative decoding, which lets the draft length
-change from step to step): :func:`tlt_trainers.vllm.config.adaptive_engine_kwargs` returns all three. vLLM builds
+change from step to step): :func:`tlt_trainers.vllm.config.speculation_schedule` returns all three. vLLM builds
 the scheduler in its engine-core process, wherever that runs (in the caller's process, ``vllm serve``, veRL's vLLM
 servers), so the decisions are taken where the steps run:
 
@@ -48,7 +48,8 @@ class _AdaptiveSpeculationMixin:
         if spec is None or self.dynamic_sd_lookup is None:
             raise ValueError("AdaptiveSpeculationScheduler needs a speculative_config with "
                              "num_speculative_tokens_per_batch_size (vLLM's dynamic speculative decoding): build the "
-                             "engine with tlt_trainers.vllm.config.adaptive_engine_kwargs(...).")
+                             "engine with what tlt_trainers.vllm.config.speculation_schedule('adaptive', k) "
+                             "returns.")
         settings = dict((self.vllm_config.additional_config or {}).get(CONFIG_KEY) or {})
         settings.setdefault("num_speculative_tokens", int(self.num_spec_tokens))
         if int(settings["num_speculative_tokens"]) != int(self.num_spec_tokens):
