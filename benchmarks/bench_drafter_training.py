@@ -70,7 +70,7 @@ def sample_answers(model, tok, prompts: list[str], max_new_tokens: int) -> tuple
     for offset in range(0, len(prompts), 32):
         enc = tok(prompts[offset: offset + 32], return_tensors="pt", padding=True)
         result = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
-                                 do_sample=True, temperature=1.0, eos_token_id=tok.eos_token_id,
+                                 do_sample=True, temperature=1.0, top_k=0, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(offset))
         mask = torch.cat([enc.attention_mask, completion_mask(result.sequences, enc.input_ids.shape[1],
                                                               tok.pad_token_id, tok.eos_token_id)], dim=1)

@@ -117,7 +117,7 @@ def run(engine: SpeculativeGenerator, tok, prompts: list[str], batch: int, tempe
     for start in range(0, len(prompts), batch):
         enc = tok(prompts[start : start + batch], return_tensors="pt", padding=True, padding_side="left")
         result = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=args.new_tokens,
-                                 do_sample=temperature > 0, temperature=temperature or 1.0,
+                                 do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                  generator=torch.Generator().manual_seed(start))
         s = result.stats

@@ -81,7 +81,7 @@ def roll_out(model, tok, drafter, trainer, prompts: list[str], seed: int, max_ne
     for offset in range(0, len(prompts), 16):
         enc = tok(prompts[offset : offset + 16], return_tensors="pt", padding=True)
         res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
-                              do_sample=True, temperature=1.0, eos_token_id=tok.eos_token_id,
+                              do_sample=True, temperature=1.0, top_k=0, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(seed + offset),
                               feature_sink=trainer.add_features)
         tokens += res.stats.generated_tokens

@@ -111,9 +111,67 @@ def test_never_mode_matches_generate_distribution(model):
     reference = hf_samples(model, seed=5, temperature=0.8)
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
     ids = PROMPT.expand(SAMPLES, -1)
-    res = engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.8, eos_token_id=EOS, pad_token_id=PAD,
-                          generator=torch.Generator().manual_seed(6))
+    res = engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.8, top_k=0, eos_token_id=EOS,
+                          pad_token_id=PAD, generator=torch.Generator().manual_seed(6))
     assert two_sample_pvalue(reference, _pad(res.sequences[:, PROMPT.shape[1]:])) > 1e-3
+
+
+def test_unset_settings_come_from_the_models_generation_config(bad_drafter):
+    """``engine.generate(ids)`` and ``model.generate(ids)`` with nothing set sample the same law: both read
+    do_sample, temperature, top_k and top_p from the model's generation_config."""
+    model = tiny_model("llama", vocab_size=VOCAB, logit_scale=12.0, seed=3)
+    model.generation_config.update(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)
+    ids = PROMPT.expand(SAMPLES, -1)
+    torch.manual_seed(9)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, eos_token_id=EOS,
+                         pad_token_id=PAD)
+    reference = _pad(out[:, PROMPT.shape[1]:])
+    engine = SpeculativeGenerator(model, bad_drafter, TLTConfig(speculation="always", num_speculative_tokens=3))
+    res = engine.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=PAD,
+                          generator=torch.Generator().manual_seed(10))
+    ours = _pad(res.sequences[:, PROMPT.shape[1]:])
+    assert two_sample_pvalue(reference, ours) > 1e-3
+    # The configured law is far from the plain softmax, so the comparison above has power.
+    plain, _ = engine_samples(model, bad_drafter, seed=11, temperature=1.0)
+    assert two_sample_pvalue(reference, plain) < 1e-3
+
+
+def test_do_sample_alone_applies_transformers_default_top_k():
+    """``do_sample=True`` alone: generate() keeps the 50 most likely tokens (transformers' default top_k); so
+    does the engine, so no token outside the top 50 is ever drawn."""
+    vocab = 96
+    model = tiny_model("llama", vocab_size=vocab, seed=4)
+    prompt = torch.tensor([[3, 5, 4, 6]])
+    logits = model(prompt).logits[0, -1]
+    outside = set(torch.topk(logits, vocab - 50, largest=False).indices.tolist())
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    res = engine.generate(prompt.expand(3000, -1), max_new_tokens=1, do_sample=True, eos_token_id=EOS,
+                          pad_token_id=PAD, generator=torch.Generator().manual_seed(12))
+    drawn = set(res.sequences[:, -1].tolist())
+    assert not drawn & outside, sorted(drawn & outside)
+    full = engine.generate(prompt.expand(3000, -1), max_new_tokens=1, do_sample=True, top_k=0, eos_token_id=EOS,
+                           pad_token_id=PAD, generator=torch.Generator().manual_seed(12))
+    assert set(full.sequences[:, -1].tolist()) & outside, "top_k=0 must reach the tail (the test's power)"
+
+
+@pytest.mark.parametrize("model_config,kwargs", [
+    ({}, {}),
+    ({}, {"do_sample": True}),
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.95}, {}),
+    ({"do_sample": True, "top_k": 20, "repetition_penalty": 1.1}, {"top_k": 0, "temperature": 1.3}),
+    ({"min_p": 0.05}, {"do_sample": True}),
+])
+def test_resolved_settings_are_generates(model_config, kwargs):
+    """Oracle: transformers' own resolution of generate()'s settings (``_prepare_generation_config``)."""
+    from tlt_trainers.sampling.distribution import SAMPLING_FIELDS, resolve_sampling
+
+    model = tiny_model("llama", vocab_size=VOCAB, seed=3)
+    model.generation_config.update(**model_config)
+    expected, _ = model._prepare_generation_config(None, **kwargs)
+    ours = resolve_sampling(model, **kwargs)
+    for name in SAMPLING_FIELDS:
+        value = getattr(expected, name)
+        assert getattr(ours, name) == value, (name, getattr(ours, name), value)
 
 
 def test_the_test_detects_a_small_temperature_change(model, bad_drafter):

@@ -89,7 +89,7 @@ def measure_acceptance(model, tokenizer, drafter: Drafter, prompts: list[str], m
     for start in range(0, len(prompts), batch_size):
         enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
         res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
-                              do_sample=temperature > 0, temperature=temperature or 1.0, eos_token_id=eos,
+                              do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0, eos_token_id=eos,
                               pad_token_id=pad, generator=torch.Generator().manual_seed(seed + start))
         emitted += res.stats.generated_tokens_in_steps
         forwards += res.stats.row_forwards
@@ -150,7 +150,7 @@ def warmup_drafter(
         for offset in range(0, len(share), batch_size):
             enc = tokenizer(share[offset : offset + batch_size], return_tensors="pt", padding=True)
             res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
-                                  do_sample=temperature > 0, temperature=temperature or 1.0, eos_token_id=eos,
+                                  do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0, eos_token_id=eos,
                                   pad_token_id=pad, generator=torch.Generator().manual_seed(seed + offset),
                                   feature_sink=trainer.add_features, feature_layers=drafter.feature_layers)
             report.answer_tokens += res.stats.generated_tokens

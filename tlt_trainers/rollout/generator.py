@@ -17,7 +17,7 @@ from torch import nn
 from ..config import TLTConfig
 from ..modeling.target import TargetModel
 from ..proposers.rollout_history import RolloutHistory
-from ..sampling.distribution import SamplingParams, check_generation_config
+from ..sampling.distribution import check_generation_config, resolve_sampling
 from .costs import CostProfile, profile_costs
 from .rollout import GenerationResult, Rollout
 from .selector import StrategySelector
@@ -108,12 +108,12 @@ class SpeculativeGenerator:
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         max_new_tokens: int = 256,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         min_p: float | None = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: float | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
@@ -123,6 +123,11 @@ class SpeculativeGenerator:
         **unsupported,
     ) -> GenerationResult:
         """Sample completions exactly as ``model.generate`` with the same settings would.
+
+        Sampling settings left unset (None) take the values ``model.generate`` would use: the model's
+        ``generation_config``, then transformers' defaults (``do_sample=False``; top-k 50 when sampling). Pass
+        ``top_k=0`` for the full softmax. ``max_new_tokens`` defaults to 256 (``generate``'s ``max_length=20``
+        counts the prompt).
 
         ``feature_sink(tokens [L + 1], features [L, F])`` receives each finished row (prompt and completion)
         with the policy's features from the verify passes, e.g. ``DrafterTrainer.add_features``, so the
@@ -143,12 +148,12 @@ class SpeculativeGenerator:
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         max_new_tokens: int = 256,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         min_p: float | None = None,
-        repetition_penalty: float = 1.0,
+        repetition_penalty: float | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
@@ -178,9 +183,10 @@ class SpeculativeGenerator:
             raise ValueError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}.")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
-        params = SamplingParams(do_sample, temperature, top_k, top_p, min_p, repetition_penalty)
         generation_config = getattr(self.model, "generation_config", None)
         check_generation_config(generation_config)
+        params = resolve_sampling(self.model, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
         # Like generate(): unset special tokens come from the model's generation_config.
         if eos_token_id is None and generation_config is not None:
             eos_token_id = generation_config.eos_token_id

@@ -8,9 +8,11 @@ presence mask, because verification needs the penalty at several positions of on
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -140,6 +142,51 @@ def check_generation_config(generation_config) -> None:
             f"reproduce; set model.generation_config.{key} = {neutral!r} (and pass it to model.generate "
             "too) so both sample from the same distribution."
         )
+
+
+def effective_generation_config(config: GenerationConfig | None, model) -> GenerationConfig:
+    """The settings ``model.generate(generation_config=config)`` really uses, by transformers' own merge rules:
+    what ``config`` sets, then the model's ``generation_config``, then transformers' global defaults (top_k 50)."""
+    config = GenerationConfig() if config is None else copy.deepcopy(config)
+    model_config = getattr(model, "generation_config", None)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:  # transformers >= 5: unset (None) values come from the model, then global defaults
+        if model_config is not None:
+            config.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+        config.update(**defaults(), defaults_only=True)
+    elif model_config is not None:  # transformers 4.x: values left at the global default take the model's value
+        reference = GenerationConfig()
+        for key, value in model_config.__dict__.items():
+            if key.startswith("_") or key == "transformers_version":
+                continue
+            default = getattr(reference, key, None)
+            if getattr(config, key, None) == default and value != default:
+                setattr(config, key, value)
+    return config
+
+
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def resolve_sampling(model, **settings) -> SamplingParams:
+    """The sampling law of ``model.generate(**settings)``: each setting passed as None (unset) takes the value
+    ``generate`` would use, from the model's ``generation_config`` and then transformers' defaults. So an engine
+    call and a ``generate`` call with the same arguments sample the same law (``do_sample=True`` alone means
+    top-k 50 unless the model's config says otherwise, as in ``generate``)."""
+    unknown = set(settings) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"resolve_sampling: unknown settings {sorted(unknown)}; known: {SAMPLING_FIELDS}.")
+    resolved = effective_generation_config(None, model)
+    values = {}
+    for name in SAMPLING_FIELDS:
+        value = settings.get(name)
+        values[name] = getattr(resolved, name, None) if value is None else value
+    neutral = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+    for name, value in neutral.items():
+        if values[name] is None:
+            values[name] = value
+    # generate() ignores the warpers when greedy; so does the engine (SamplingParams.warpers).
+    return SamplingParams(**values)  # validates explicit values as given (a float top_k is refused, not rounded)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, presence: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -23,7 +23,6 @@ engine then loads the same drafter before the next rollout.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import itertools
 import os
@@ -44,6 +43,7 @@ from ..drafter.trainer import TRAINER_STATE
 from ..modeling.features import capture_features
 from ..rollout.generator import SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
+from ..sampling.distribution import effective_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
 from .stock_generation import generation_settings, replaced_generate, stock_generation_reason
 from .sync import COLUMN, STAT_FIELDS, RankGroup
@@ -64,27 +64,6 @@ _VLLM_SERVER_CPU_ERROR = (
     "use vllm_mode='colocate' (TRL's engine inside the trainer's process, where TLT serves and refreshes the "
     "drafter), or use_vllm=False for TLT's own speculative engine."
 )
-
-
-def effective_generation_config(trl_config: GenerationConfig, model) -> GenerationConfig:
-    """The settings ``model.generate(generation_config=trl_config)`` really uses (transformers' own merge rules)."""
-    config = copy.deepcopy(trl_config)
-    model_config = getattr(model, "generation_config", None)
-    if model_config is None:
-        return config
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    if defaults is not None:  # transformers >= 5: unset (None) values come from the model, then global defaults
-        config.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-        config.update(**defaults(), defaults_only=True)
-    else:  # transformers 4.x: values left at the global default take the model's non-default value
-        reference = GenerationConfig()
-        for key, value in model_config.__dict__.items():
-            if key.startswith("_") or key == "transformers_version":
-                continue
-            default = getattr(reference, key, None)
-            if getattr(config, key, None) == default and value != default:
-                setattr(config, key, value)
-    return config
 
 
 def _policy_of(unwrapped):
