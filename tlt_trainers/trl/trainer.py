@@ -166,8 +166,12 @@ class TLTGRPOTrainer(GRPOTrainer):
         # model allows it (settings it cannot reproduce: plain sampling at TRL's temperature).
         try:
             self._tlt_sampling = generation_settings(config)
-        except ValueError:
+        except ValueError as err:
             self._tlt_sampling = generation_settings(_vllm_sampling_config(self))
+            logger.warning(f"TLTGRPOTrainer: the generation settings are not ones TLT's engine reproduces ({err}); "
+                           "the drafter's warm-up and training samples use TRL's plain sampling settings instead "
+                           f"(temperature={self._tlt_sampling['temperature']}, top_k={self._tlt_sampling['top_k']}, "
+                           f"top_p={self._tlt_sampling['top_p']}). Rollouts are unaffected.")
         self._tlt_max_new_tokens = config.max_new_tokens
         self._tlt_max_length = config.max_length
 
@@ -641,6 +645,9 @@ class TLTGRPOTrainer(GRPOTrainer):
             return
         path = os.path.join(checkpoint, RNG_STATE_NAME.format(self.args.process_index))
         if not os.path.isfile(path):
+            logger.warning(f"TLTGRPOTrainer: {checkpoint} holds no {os.path.basename(path)} (written by stock "
+                           "GRPOTrainer or an older tlt-trainers): the rollout sampler and the drafter's training "
+                           "restart from their seeds, so this resumed run will not reproduce an uninterrupted one.")
             return
         state = torch.load(path, weights_only=True)
         self._tlt_generator.set_state(state["rollout"])

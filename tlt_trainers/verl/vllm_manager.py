@@ -44,7 +44,8 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
         self.speculating = False
         self.dtype: str | None = None
         self.weights_survive_sleep = False
-        self._counters_seen = SpecDecodeCounters()
+        self._counters_seen: dict[str, SpecDecodeCounters] = {}  # per replica address: its last reading
+        self._metrics_failed: set[str] = set()
 
     @property
     def engine_servers(self) -> list:
@@ -84,8 +85,10 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
 
     def spec_decode_counters(self) -> SpecDecodeCounters | None:
         """vLLM's speculative-decoding counts since the last call, summed over the replicas (None when none reports
-        them: not speculating, or /metrics unreachable)."""
-        total, seen = SpecDecodeCounters(), False
+        them: not speculating, or /metrics unreachable). Each replica's counts are taken against that replica's own
+        last reading, so a replica whose /metrics cannot be read this time adds nothing now and its counts arrive
+        with its next reading (never a negative delta); the first failure per address is logged."""
+        delta, seen = SpecDecodeCounters(), False
         for replica in self.replicas:
             address = replica.server_address
             if not address:
@@ -94,13 +97,20 @@ class TLTCheckpointEngineManager(CheckpointEngineManager):
                 with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
                     counters = parse_spec_decode_metrics(response.read().decode())
             except OSError as err:
-                logger.warning("TLT: cannot read vLLM's /metrics at %s: %s", address, err)
+                if address not in self._metrics_failed:
+                    self._metrics_failed.add(address)
+                    logger.warning("TLT: cannot read vLLM's /metrics at %s (%s); this replica's speculation counts "
+                                   "are left out until a read succeeds, then counted in full. Further failures at "
+                                   "this address are logged at debug level.", address, err)
+                else:
+                    logger.debug("TLT: cannot read vLLM's /metrics at %s: %s", address, err)
                 continue
             if counters is not None:
-                total = total + counters
+                previous = self._counters_seen.get(address, SpecDecodeCounters())
+                if counters.num_drafts < previous.num_drafts:  # the server restarted: its counts start again
+                    previous = SpecDecodeCounters()
+                delta = delta + (counters - previous)
+                self._counters_seen[address] = counters
                 seen = True
-        if not seen:
-            return None
-        delta, self._counters_seen = total - self._counters_seen, total
-        return delta
+        return delta if seen else None
 

@@ -29,6 +29,8 @@ from ..drafter.config import WEIGHTS_NAME
 from ..drafter.export import eagle_state_dict_to_vllm
 from ._install import require_vllm
 
+logger = logging.getLogger("vllm.tlt_trainers")  # under vLLM's logger: its handler and level
+
 _VLLM_PREFIXES = ("fc.", "layers.0.")
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -95,13 +97,22 @@ class _DropSharedLayerWarnings(logging.Filter):
     layers are checked beforehand to receive every tensor)."""
 
     SHARED = ("VocabParallelEmbedding", "ParallelLMHead")
+    announced = False  # once per process: the first drop says what is dropped and why
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "Failed to load weights" not in message:
             return True
         owner = message.split(":", 1)[0].strip()
-        return not (owner in self.SHARED or owner.endswith("RotaryEmbedding"))
+        if not (owner in self.SHARED or owner.endswith("RotaryEmbedding")):
+            return True
+        if not _DropSharedLayerWarnings.announced:
+            _DropSharedLayerWarnings.announced = True
+            logger.info("tlt_trainers: a drafter reload sends only the drafter's own tensors; vLLM's \"Failed to load "
+                        "weights\" warnings for the modules the drafter shares with the policy (%s, the embedding, "
+                        "the LM head and the rotary cache) are expected and not shown (first: %r).",
+                        ", ".join(self.SHARED), message)
+        return False
 
 
 def _draft_model_and_config(worker):
