@@ -32,18 +32,65 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
 
 
-def logit_transform(config) -> tuple[float | None, float]:
-    """(soft-cap, scale) applied to ``lm_head`` output by the model's forward (Gemma, Cohere, Granite)."""
+# Models whose ``logits_scaling`` multiplies the head's output; elsewhere (Granite and its MoE/hybrid kin) it divides.
+_MULTIPLYING_LOGITS_SCALING = {"hyperclovax"}
+# Configs that carry a ``logit_scale`` their transformers model never applies.
+_UNUSED_LOGIT_SCALE = {"mpt"}
+
+
+def head_ops(config) -> tuple[tuple[str, float], ...]:
+    """What the model's forward does to ``lm_head`` output, in its order: ``("mul", s)`` (Cohere's ``logit_scale``,
+    HyperCLOVAX's ``logits_scaling``), ``("div", s)`` (Granite's ``logits_scaling``), ``("softcap", c)`` (Gemma's
+    ``final_logit_softcapping``: ``/ c``, ``tanh``, ``* c``). Empty for a plain head.
+
+    Kept as the model writes it (a division stays a division) so :func:`apply_head_ops` rounds as it does."""
+    ops = []
+    model_type = getattr(config, "model_type", None)
+    logit_scale = None if model_type in _UNUSED_LOGIT_SCALE else getattr(config, "logit_scale", None)
+    if logit_scale is not None and logit_scale != 1.0:
+        ops.append(("mul", logit_scale))
+    logits_scaling = getattr(config, "logits_scaling", None)
+    if logits_scaling is not None and logits_scaling != 1.0:
+        ops.append(("mul" if model_type in _MULTIPLYING_LOGITS_SCALING else "div", logits_scaling))
     softcap = getattr(config, "final_logit_softcapping", None)
-    scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:
-        scale *= float(config.logit_scale)
-    if getattr(config, "logits_scaling", None) is not None:
-        scale /= float(config.logits_scaling)
+    if softcap is not None:
+        ops.append(("softcap", softcap))
+    return tuple(ops)
+
+
+def apply_head_ops(logits: torch.Tensor, ops) -> torch.Tensor:
+    """``ops`` (:func:`head_ops`) applied as the model's forward applies them: the same operations with the same
+    Python scalars, in the dtype ``logits`` has (a bfloat16 head's output stays bfloat16, as in transformers), so
+    the result is bit-identical to ``model(...).logits``. Cast to float32 afterwards, as ``generate`` does."""
+    for op, value in ops:
+        if op == "mul":
+            logits = logits * value
+        elif op == "div":
+            logits = logits / value
+        else:
+            logits = logits / value
+            logits = torch.tanh(logits)
+            logits = logits * value
+    return logits
+
+
+def logit_transform(config) -> tuple[float | None, float]:
+    """(soft-cap, scale) of :func:`head_ops` folded into one factor: the form drafters carry (their config, and the
+    ``logit_scale`` vLLM's and SGLang's drafter heads multiply by). A drafter's logits only need to be close to the
+    policy's (they propose; the policy's own, :meth:`TargetModel.logits`, decide), so they compute in float32."""
+    softcap, scale = None, 1.0
+    for op, value in head_ops(config):
+        if op == "mul":
+            scale *= float(value)
+        elif op == "div":
+            scale /= float(value)
+        else:
+            softcap = value
     return softcap, scale
 
 
 def apply_logit_transform(logits: torch.Tensor, softcap: float | None, scale: float) -> torch.Tensor:
+    """A drafter's (soft-cap, scale) (:func:`logit_transform`) applied to its float32 logits."""
     if scale != 1.0:
         logits = logits * scale
     if softcap is not None:
@@ -52,7 +99,8 @@ def apply_logit_transform(logits: torch.Tensor, softcap: float | None, scale: fl
 
 
 class TargetModel:
-    """Runs the policy's decoder on a :class:`RowCache` and its head in float32."""
+    """Runs the policy's decoder on a :class:`RowCache`, and its head as the model's forward does (soft-cap and
+    scaling in the head's output dtype), giving float32 logits."""
 
     def __init__(self, model: nn.Module):
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
@@ -64,7 +112,7 @@ class TargetModel:
         self.config = text_config(model)
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
-        self.softcap, self.scale = logit_transform(self.config)
+        self.head_ops = head_ops(self.config)
         self.num_layers = self.config.num_hidden_layers
         layer_types = getattr(self.config, "layer_types", None) or []
         has_sliding = "sliding_attention" in layer_types
@@ -122,11 +170,15 @@ class TargetModel:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits equal to ``model(...).logits.float()``: the head, then the model's soft-cap or scaling in
+        the head's output dtype (``cpu_head`` returns the weight's dtype, like ``F.linear``), then the cast. A
+        bfloat16 Gemma, Cohere or Granite head rounds each step to bfloat16; applying them after the cast would
+        sample from a (slightly) different distribution than ``generate``."""
         if self._head_as_weight_times_hidden:
             logits = cpu_head(self.head.weight, hidden)
         else:
             logits = self.head(hidden)
-        return apply_logit_transform(logits.to(torch.float32), self.softcap, self.scale)
+        return apply_head_ops(logits, self.head_ops).to(torch.float32)
 
     @torch.no_grad()
     def check_split(self) -> None:
