@@ -2,7 +2,10 @@
 
 veRL's agent loops send one request per sample (``generate(prompt_ids, sampling_params)``); our engine is
 batched, so requests that arrive within ``tlt.batch_wait_ms`` of each other (a GRPO step sends them all at
-once) are decoded as one batch, grouped by sampling settings. The server also owns this replica's drafter
+once) are decoded as one batch, grouped by sampling law. Each request is sampled with vLLM's meaning of its
+sampling_params (:func:`parse_sampling_params`): what the engine cannot reproduce exactly is refused, never
+dropped. Completions, their log-probs and stop reasons are what veRL's vLLM server returns (:meth:`_run_batch`,
+:meth:`_logprobs`). The server also owns this replica's drafter
 and its trainer: verify passes feed the drafter's buffer, and :meth:`train_drafter` trains while the
 replica is idle, yielding to the next request within one micro-step.
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,30 +37,208 @@ from .settings import TLTSection
 logger = logging.getLogger(__name__)
 
 
+# vLLM's SamplingParams: temperature 0 is greedy, and 0 < temperature < 0.01 is raised to 0.01.
+_GREEDY_BELOW = 1e-5
+_MIN_TEMPERATURE = 1e-2
+
+# What this server does with each key of veRL's sampling_params (vLLM's SamplingParams fields, as veRL's vLLM server
+# receives them). A default veRL config sends temperature, top_p, top_k, repetition_penalty and logprobs (the agent
+# loop), stop_token_ids (the tool agent loop) and max_tokens (the fully-async client, the generation server).
+HONOURED_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "max_new_tokens",
+                     "stop_token_ids", "ignore_eos", "logprobs")
+
+# Keys that change only vLLM's text output, streaming or bookkeeping, never the token ids and log-probs veRL reads:
+# accepted with any value, and why.
+IGNORED_SETTINGS = {
+    "detokenize": "the server returns token ids, never text",
+    "skip_special_tokens": "detokenization only",
+    "spaces_between_special_tokens": "detokenization only",
+    "include_stop_str_in_output": "the text of stop strings only (stop strings are refused)",
+    "output_kind": "streaming granularity: the server answers once, with the whole completion",
+    "stream_interval": "streaming only",
+    "skip_clone": "vLLM's internal copy of the params",
+    "skip_reading_prefix_cache": "prefix caching changes no sample (and the server has none)",
+    "flat_logprobs": "the container vLLM returns log-probs in; the server returns one float per token",
+    "output_text_buffer_length": "text buffering for stop strings",
+    "watermarking": "applies the engine's configured watermark; the tlt backend configures none",
+}
+
+
+def _unset(value) -> bool:
+    return value is None
+
+
+def _empty(value) -> bool:
+    return value is None or len(value) == 0
+
+
+# Settings the engine does not reproduce: accepted at vLLM's default (each test says which values are the default),
+# refused with any other value. name: (is the default, vLLM's default, what the setting would need).
+DEFAULT_ONLY_SETTINGS = {
+    "n": (lambda v: v is None or v == 1, 1, "one completion per request (veRL sends rollout.n requests per prompt)"),
+    "best_of": (lambda v: v is None or v == 1, None, "one completion per request"),
+    "presence_penalty": (lambda v: v is None or v == 0, 0.0,
+                         "a presence penalty, which its sampling and verification do not implement"),
+    "frequency_penalty": (lambda v: v is None or v == 0, 0.0,
+                          "a frequency penalty, which its sampling and verification do not implement"),
+    "seed": (lambda v: v is None or v == -1, None,
+             "per-request seeds: every request of a batch draws from the replica's generator (seeded by "
+             "tlt.seed + replica rank); turn off rollout.full_determinism"),
+    "stop": (_empty, [], "stop strings, which need detokenization; stop on token ids with stop_token_ids"),
+    "min_tokens": (lambda v: v is None or v == 0, 0, "masking EOS before min_tokens"),
+    "logit_bias": (_empty, None, "logit biases"),
+    "allowed_token_ids": (_unset, None, "a restricted vocabulary"),
+    "bad_words": (_empty, [], "banned words"),
+    "logits_processors": (_empty, None, "custom logits processors"),
+    "structured_outputs": (_unset, None, "structured outputs"),
+    "guided_decoding": (_unset, None, "guided decoding"),
+    "prompt_logprobs": (_unset, None, "prompt log-probs"),
+    "prompt_logprob_token_ids": (_unset, None, "prompt log-probs"),
+    "prompt_logprob_start": (_unset, None, "prompt log-probs"),
+    "logprob_token_ids": (_unset, None, "log-probs of chosen tokens (it returns the sampled token's only)"),
+    "truncate_prompt_tokens": (_unset, None, "prompt truncation"),
+    "thinking_token_budget": (_unset, None, "a thinking budget"),
+    "repetition_detection": (_unset, None, "repetition detection"),
+    "extra_args": (_empty, None, "extra arguments for custom processors"),
+    "routed_experts_prompt_start": (lambda v: v is None or v == 0, 0, "MoE routing replay"),
+    "trace_decode_token_ids": (_unset, None, "decode tracing"),
+}
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """One request's sampling settings, validated, with vLLM's meaning (see :func:`parse_sampling_params`).
+
+    ``law`` is the next-token distribution (the engine's settings, with ``model.generate``'s meaning); requests with
+    the same law share a batch. ``stop_token_ids`` are the request's own stop tokens (EOS is added by the server
+    unless ``ignore_eos``); ``max_tokens`` is already capped at the server's response_length.
+    """
+
+    law: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+def _number(params: dict, key: str, default, kind=float):
+    value = params.get(key)
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"sampling_params[{key!r}]={value!r} is not a number.") from None
+    if kind is int and number != value:
+        raise ValueError(f"sampling_params[{key!r}]={value!r} must be an integer.")
+    if not math.isfinite(number):
+        raise ValueError(f"sampling_params[{key!r}]={value!r} must be finite.")
+    return number
+
+
+def parse_sampling_params(params: dict, response_length: int) -> RequestSampling:
+    """veRL's sampling_params for one request (vLLM's SamplingParams fields), checked and converted.
+
+    Honoured as vLLM (with veRL's vLLM server around it) does: temperature (0 = greedy, (0, 0.01) raised to 0.01),
+    top_p, top_k (0 or -1 = off), min_p, repetition_penalty (on the prompt's and the completion's tokens), max_tokens
+    (or sglang's max_new_tokens; default and cap: the server's response_length; below 1: 1, as veRL clamps it),
+    stop_token_ids (the completion ends with the first one, kept), ignore_eos (EOS tokens do not end the
+    completion) and logprobs (truthy: the sampled tokens' log-probs, as veRL's vLLM server returns them whatever
+    the number). :data:`IGNORED_SETTINGS` change no token and are accepted as they are; :data:`DEFAULT_ONLY_SETTINGS`
+    are accepted at vLLM's default only; any other key or value is refused with a ValueError that names it.
+    """
+    for key, value in params.items():
+        if key in HONOURED_SETTINGS or key in IGNORED_SETTINGS:
+            continue
+        if key in DEFAULT_ONLY_SETTINGS:
+            is_default, default, needs = DEFAULT_ONLY_SETTINGS[key]
+            if not is_default(value):
+                raise ValueError(f"sampling_params[{key!r}]={value!r}: the tlt rollout backend does not do {needs}. "
+                                 f"Leave it at vLLM's default ({default!r}), or use "
+                                 "actor_rollout_ref.rollout.name=vllm.")
+            continue
+        raise ValueError(f"sampling_params[{key!r}]: a setting the tlt rollout backend does not know. It honours "
+                         f"{list(HONOURED_SETTINGS)}, ignores {sorted(IGNORED_SETTINGS)} (they change no token) and "
+                         f"accepts {sorted(DEFAULT_ONLY_SETTINGS)} at vLLM's defaults only; for other settings use "
+                         "actor_rollout_ref.rollout.name=vllm.")
+
+    temperature = _number(params, "temperature", 1.0)
+    if temperature < 0:
+        raise ValueError(f"sampling_params['temperature']={temperature} must be >= 0 (0 is greedy).")
+    if 0 < temperature < _MIN_TEMPERATURE:
+        temperature = _MIN_TEMPERATURE
+    top_p = _number(params, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"sampling_params['top_p']={top_p} must be in (0, 1] (1 is off).")
+    top_k = _number(params, "top_k", 0, int)
+    if top_k < -1:
+        raise ValueError(f"sampling_params['top_k']={top_k} must be 0 or -1 (off), or at least 1.")
+    min_p = _number(params, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"sampling_params['min_p']={min_p} must be in [0, 1] (0 is off).")
+    repetition_penalty = _number(params, "repetition_penalty", 1.0)
+    if not repetition_penalty > 0:
+        raise ValueError(f"sampling_params['repetition_penalty']={repetition_penalty} must be > 0 (1 is off).")
+    greedy = temperature < _GREEDY_BELOW
+    if greedy:  # vLLM ignores these when greedy
+        top_p, top_k, min_p = 1.0, 0, 0.0
+    if min_p > 0 and top_p < 1.0:
+        # vLLM filters min_p before top-p, the engine (as transformers' generate) after it: not the same law.
+        # With top-k alone the two orders keep the same tokens (both filters keep the highest logits).
+        raise ValueError(f"sampling_params min_p={min_p} with top_p={top_p}: vLLM applies min_p before top-p and "
+                         "the tlt rollout backend after it, which samples a different distribution. Use one of the "
+                         "two, or actor_rollout_ref.rollout.name=vllm.")
+    law = SamplingParams(do_sample=not greedy, temperature=1.0 if greedy else temperature, top_k=max(top_k, 0),
+                         top_p=top_p, min_p=min_p if min_p > 0 else None, repetition_penalty=repetition_penalty)
+
+    limit_key = "max_tokens" if params.get("max_tokens") is not None else "max_new_tokens"
+    max_tokens = _number(params, limit_key, response_length, int)
+    max_tokens = max(1, min(max_tokens, response_length))  # veRL's vLLM server clamps below at 1
+    stop_token_ids = params.get("stop_token_ids") or ()
+    if isinstance(stop_token_ids, int):
+        stop_token_ids = (stop_token_ids,)
+    try:
+        stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+    except (TypeError, ValueError):
+        raise ValueError(f"sampling_params['stop_token_ids']={params['stop_token_ids']!r} must be a list of "
+                         "token ids.") from None
+    return RequestSampling(law, max_tokens, stop_token_ids, bool(params.get("ignore_eos") or False),
+                           bool(params.get("logprobs") or False))
+
+
 @dataclass
 class _Request:
     prompt_ids: list[int]
-    params: dict
+    sampling: RequestSampling
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
 
 
-def sampling_key(params: dict) -> tuple:
-    """veRL's sampling params (vLLM conventions: top_k -1 = off, temperature 0 = greedy) as a hashable key."""
-    temperature = float(params.get("temperature", 1.0) or 0.0)
-    top_k = int(params.get("top_k", -1) or -1)
-    return (temperature, float(params.get("top_p", 1.0) or 1.0), 0 if top_k < 0 else top_k,
-            float(params.get("repetition_penalty", 1.0) or 1.0), bool(params.get("logprobs", False)))
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], pad_id: int, own_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask. ``own_token``: pad each row with its own first token instead of ``pad_id``, so the
+    row's tokens (padding included, which the repetition penalty counts as generate does) are its prompt's only."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
+        if own_token:
+            ids[row, : width - len(prompt)] = prompt[0]
         ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt):] = 1
     return ids, mask
+
+
+def cut_completion(tokens: list[int], stop_ids: frozenset[int] | set[int], max_tokens: int) -> tuple[list[int], str]:
+    """A request's completion from the engine's row (which may run past the request's own stops and limit) and the
+    stop reason: "completed" when it ends on a stop token (vLLM's finish_reason "stop", EOS included, also on the
+    last allowed token), "length" when it reached ``max_tokens`` (vLLM's "length")."""
+    for i, token in enumerate(tokens[:max_tokens]):
+        if token in stop_ids:
+            return tokens[: i + 1], "completed"
+    if len(tokens) < max_tokens:
+        raise RuntimeError(f"The engine ended a row after {len(tokens)} tokens on no stop token of the request "
+                           f"(limit {max_tokens}).")
+    return tokens[:max_tokens], "length"
 
 
 class TLTRolloutServer:
@@ -82,10 +264,11 @@ class TLTRolloutServer:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                           trust_remote_code=trust_remote_code).to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path, trust_remote_code=trust_remote_code)
+        # As vLLM: the tokenizer's EOS and the generation config's EOS tokens all end a completion.
         eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_ids:
+            self.eos_ids.append(tokenizer.eos_token_id)
         if not self.eos_ids:
             raise ValueError(f"{model_path} defines no EOS token (generation_config or tokenizer); the tlt rollout "
                              "needs one to end completions.")
@@ -119,15 +302,18 @@ class TLTRolloutServer:
     # ------------------------------------------------------------------ generation
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None = None,
                        image_data: Any = None, video_data: Any = None, **kwargs):
-        """veRL's server API: one request in, its completion's token ids out (EOS included, as vLLM returns them)."""
+        """veRL's server API: one request in, its completion's token ids out (the stop token included, as vLLM
+        returns them). ``sampling_params`` as :func:`parse_sampling_params` reads them: a setting the server cannot
+        honour raises a ValueError here, before the request is queued."""
         if image_data or video_data or kwargs.get("audio_data"):
             raise ValueError("The tlt rollout serves text-only causal LMs; multimodal requests need "
                              "actor_rollout_ref.rollout.name=vllm or sglang.")
         if not prompt_ids:
             raise ValueError(f"Request {request_id}: empty prompt.")
+        sampling = parse_sampling_params(dict(sampling_params or {}), self.response_length)
         self._interrupt.set()
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(map(int, prompt_ids)), dict(sampling_params), future))
+        self._pending.append(_Request(list(map(int, prompt_ids)), sampling, future))
         if self.first_request is None:
             self.first_request = time.perf_counter()
         if self._serving is None or self._serving.done():
@@ -142,14 +328,15 @@ class TLTRolloutServer:
                 seen = len(self._pending)  # gather until no request arrived for one window (or the batch is full)
                 await asyncio.sleep(wait)
             batch, self._pending = self._pending[: self.max_num_seqs], self._pending[self.max_num_seqs:]
-            groups: dict[tuple, list[_Request]] = {}
+            groups: dict[SamplingParams, list[_Request]] = {}
             for request in batch:
-                groups.setdefault(sampling_key(request.params), []).append(request)
+                groups.setdefault(request.sampling.law, []).append(request)
             async with self._lock:
-                for key, requests in groups.items():
+                for law, requests in groups.items():
                     start = time.perf_counter()
                     try:
-                        outputs = await asyncio.to_thread(self._run_batch, key, [r.prompt_ids for r in requests])
+                        outputs = await asyncio.to_thread(self._run_batch, law,
+                                                          [(r.prompt_ids, r.sampling) for r in requests])
                     except Exception as err:  # every waiting agent loop gets the error, the server lives on
                         logger.exception("tlt rollout batch failed")
                         for request in requests:
@@ -163,46 +350,82 @@ class TLTRolloutServer:
                             request.future.set_result(output)
                 self.last_finish = time.perf_counter()
 
-    def _run_batch(self, key: tuple, prompts: list[list[int]]) -> list:
+    def _run_batch(self, law: SamplingParams, requests: list[tuple[list[int], RequestSampling]]) -> list:
+        """One engine batch for requests with the same law; each request's own stop tokens and length limit cut its
+        row afterwards.
+
+        The engine stops a row on the stop tokens all requests share and runs to the longest limit; a request whose
+        own stop token or limit comes first takes its row's prefix up to it. That prefix has the law a run with the
+        request's own settings samples (a token's distribution depends on the tokens before it only).
+        """
         from verl.workers.rollout.replica import TokenOutput
 
-        temperature, top_p, top_k, repetition_penalty, want_logprobs = key
-        ids, mask = left_pad(prompts, self.pad_id)
+        prompts = [prompt for prompt, _ in requests]
+        stops = [self._stop_ids(sampling) for _, sampling in requests]
+        common = frozenset.intersection(*stops)
+        # Repetition penalty: pad each row with its own prompt token, so it penalizes the prompt's tokens only (as
+        # vLLM does), never a pad token the prompt does not have.
+        ids, mask = left_pad(prompts, self.pad_id, own_token=law.uses_presence)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
-                        top_k=top_k, top_p=top_p if temperature > 0 else 1.0, repetition_penalty=repetition_penalty)
         sink = self.trainer.add_features if self.trainer is not None else None
         with torch.no_grad():
-            result = self.engine.generate(ids, attention_mask=mask, max_new_tokens=self.response_length,
-                                          eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                                          generator=self.generator, feature_sink=sink, **sampling)
+            result = self.engine.generate(ids, attention_mask=mask,
+                                          max_new_tokens=max(sampling.max_tokens for _, sampling in requests),
+                                          do_sample=law.do_sample, temperature=law.temperature, top_k=law.top_k,
+                                          top_p=law.top_p, min_p=law.min_p, repetition_penalty=law.repetition_penalty,
+                                          eos_token_id=sorted(common), pad_token_id=self.pad_id,
+                                          generator=self.generator, feature_sink=sink)
         self.counters.add(result.stats)
         self.rows_served += len(prompts)
-        completions = []
-        for row in result.sequences[:, ids.shape[1]:].tolist():
-            end = next((i + 1 for i, token in enumerate(row) if token in self.eos_ids), len(row))
-            completions.append(row[:end])
-        logprobs = self._logprobs(ids, mask, completions, sampling) if want_logprobs else [None] * len(prompts)
-        return [TokenOutput(token_ids=c, log_probs=lp, stop_reason="completed",
-                            extra_fields={"tlt_replica": self.replica_rank})
-                for c, lp in zip(completions, logprobs, strict=True)]
+        outputs = []
+        rows = result.sequences[:, ids.shape[1]:].tolist()
+        for (prompt, sampling), stop_ids, row in zip(requests, stops, rows, strict=True):
+            completion, stop_reason = cut_completion(row, stop_ids, sampling.max_tokens)
+            logprobs = self._logprobs(prompt, completion, law) if sampling.logprobs else None
+            outputs.append(TokenOutput(token_ids=completion, log_probs=logprobs, stop_reason=stop_reason,
+                                       extra_fields={"tlt_replica": self.replica_rank}))
+        return outputs
+
+    def _stop_ids(self, sampling: RequestSampling) -> frozenset[int]:
+        """The tokens that end this request's completion: its stop_token_ids, and EOS unless ignore_eos (vLLM)."""
+        return sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids | frozenset(self.eos_ids)
 
     @torch.no_grad()
-    def _logprobs(self, ids, mask, completions, sampling) -> list[list[float]]:
-        """Log-probabilities of the sampled tokens under the distribution they were sampled from
-        (vLLM's ``processed_logprobs``: after temperature, top-k and top-p)."""
-        params = SamplingParams(**{k: sampling[k] for k in ("do_sample", "temperature", "top_k", "top_p")})
+    def _logprobs(self, prompt: list[int], completion: list[int], law: SamplingParams,
+                  chunk: int = 256) -> list[float]:
+        """Log-probabilities of the sampled tokens under the distribution each was drawn from: log_softmax of the
+        scores after the repetition penalty (prompt and earlier completion tokens), temperature, top-k, top-p and
+        min-p, the engine's own processing (:func:`process_logits`). Greedy requests: after the penalty only.
+
+        That is what veRL's vLLM rollout returns: veRL starts vLLM with ``logprobs_mode=processed_logprobs``
+        (``rollout.logprobs_mode``'s default; vLLM's own default, ``raw_logprobs``, would be the model's
+        unprocessed log-softmax) and keeps the sampled token's entry. They come from one extra policy forward over
+        prompt and completion, so they differ from the sampling pass's by float rounding only.
+        """
+        if not completion:
+            return []
+        full = torch.tensor(prompt + completion, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=full[None]).logits[0, len(prompt) - 1: -1]  # [T, V]: the scores of each token
+        sampled = full[len(prompt):]
+        steps, vocab = logits.shape
+        prompt_seen = first_generated = None
+        if law.uses_presence:
+            prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            prompt_seen[full[: len(prompt)]] = True
+            # The step at which each token first appears in the completion (steps: never); the penalty of step t
+            # covers the completion tokens before t.
+            first_generated = torch.full((vocab,), steps, dtype=torch.long, device=self.device)
+            first_generated.scatter_reduce_(0, sampled, torch.arange(steps, device=self.device), reduce="amin")
         out = []
-        for row, completion in enumerate(completions):
-            if not completion:
-                out.append([])
-                continue
-            prompt = ids[row][mask[row].bool()]
-            full = torch.cat([prompt, torch.tensor(completion, device=self.device)])[None]
-            logits = self.model(input_ids=full).logits[0, prompt.shape[0] - 1: -1]
-            scores = process_logits(logits, params)
-            logp = torch.log_softmax(scores, dim=-1).gather(-1, full[0, prompt.shape[0]:, None])[:, 0]
-            out.append(logp.float().tolist())
+        for begin in range(0, steps, chunk):
+            end = min(begin + chunk, steps)
+            presence = None
+            if law.uses_presence:
+                step = torch.arange(begin, end, device=self.device)[:, None]
+                presence = prompt_seen[None] | (first_generated[None] < step)
+            scores = process_logits(logits[begin:end], law, presence)
+            logp = torch.log_softmax(scores, dim=-1).gather(-1, sampled[begin:end, None])[:, 0]
+            out.extend(logp.float().tolist())
         return out
 
     # ------------------------------------------------------------------ drafter
