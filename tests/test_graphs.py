@@ -1,8 +1,9 @@
 """The CUDA-graph path (static buffers, batch padded with finished rows, full-capacity masks) changes nothing.
 
 CPU cannot capture CUDA graphs; ``TLTConfig(cuda_graphs="static")`` runs the same static-buffer path without
-capturing, which is what these tests check. Capture and replay themselves are exercised on a GPU by
-``benchmarks/gpu_check.py``.
+capturing, which is what these tests check, with EAGLE-3 feature taps too. Capture and replay themselves are
+exercised on a GPU by ``benchmarks/gpu_check.py``; the self-check of each capture against the eager pass, and its
+fallback, are tested with a faked capture in tests/test_gpu_self_check.py.
 """
 
 import pytest
@@ -11,7 +12,7 @@ from test_engine_greedy import staggered_eos, train_drafter
 from test_engine_sampling import NEW_TOKENS, PROMPT, SAMPLES, _pad, hf_samples, two_sample_pvalue
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
-from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers import Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.rollout.graphs import graph_bucket
 
 
@@ -71,6 +72,34 @@ def test_static_graph_path_sliding_window_model():
     reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
                                pad_token_id=PAD)
     assert torch.equal(ours.sequences, reference)
+
+
+def test_static_graph_path_with_eagle3_feature_taps():
+    """An EAGLE-3 drafter reads the residual streams entering three layers: the graph path taps them too (they are
+    static outputs of a captured graph) and hands the drafter and the feature sink what the eager path does."""
+    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=6)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[1, 3, 5])
+    ids, mask = padded_prompts([3, 9, 5, 1, 7, 2, 4, 6], seed=16)  # 8 rows: bucket 8 from the first step
+    runs = {}
+    for graphs in ("off", "static"):
+        sink = []
+        engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy="chain:3",
+                                                                cuda_graphs=graphs))
+        result, runner = runs_with_runner(engine, input_ids=ids, attention_mask=mask, do_sample=False,
+                                          max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD,
+                                          feature_sink=lambda seq, feats, sink=sink: sink.append((seq, feats)))
+        runs[graphs] = result, runner, sink
+    (eager, _, eager_sink), (static, runner, static_sink) = runs["off"], runs["static"]
+    assert runner is not None and runner.feature_layers == (1, 3, 5) and runner.replays > 0
+    reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
+                               pad_token_id=PAD)
+    assert torch.equal(static.sequences, reference) and torch.equal(eager.sequences, reference)
+    assert len(static_sink) == len(eager_sink) == len(ids)
+    for (seq, feats), (eager_seq, eager_feats) in zip(static_sink, eager_sink, strict=True):
+        assert torch.equal(seq, eager_seq) and feats.shape[-1] == 3 * model.config.hidden_size
+        torch.testing.assert_close(feats, eager_feats, rtol=1e-5, atol=1e-5)
+    assert static.stats.accepted_tokens == eager.stats.accepted_tokens  # the drafter saw the same features
 
 
 def test_static_graph_path_sampling_distribution():

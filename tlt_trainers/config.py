@@ -86,8 +86,11 @@ class TLTConfig:
     cuda_graphs: str = field(
         default="auto",
         metadata={"help": "'auto': replay CUDA graphs of the decode and verify passes on CUDA devices, which saves "
-                  "the kernel launches that dominate small-batch steps (eager elsewhere); 'off': never; 'static': "
-                  "the graphs' static-buffer path without capturing, on any device (for tests).",
+                  "the kernel launches that dominate small-batch steps (eager elsewhere). The graphs output the "
+                  "drafter's features too, EAGLE-3's tapped layers included. Each capture's first replay is checked "
+                  "against the eager pass; on a mismatch or a capture error the passes run eagerly for the rest of "
+                  "the process, with one warning. 'off': never; 'static': the graphs' static-buffer path without "
+                  "capturing, on any device (for tests).",
                   "choices": ["auto", "off", "static"]},
     )
     selector_window: int = field(

@@ -73,11 +73,10 @@ class Rollout:
         self.feature_layers = tuple(feature_layers) if feature_layers is not None else None
         self.rows = self._new_rows(input_ids, pad, params)
         self.graphs = None
-        graph_mode = self.config.cuda_graphs
-        if self.feature_layers is None and (graph_mode == "static" or (graph_mode == "auto"
-                                                                        and self.device.type == "cuda")):
-            self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity,
-                                      mode="static" if graph_mode == "static" else "cuda")
+        graph_mode = GraphRunner.mode_for(self.config.cuda_graphs, self.device, self.target, self.feature_layers)
+        if graph_mode is not None:
+            self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity, mode=graph_mode,
+                                      feature_layers=self.feature_layers)
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
         # Adaptive: history:K arms are valued from each step's matches (which cost no compute).
         self.history_arm_tokens = 0
@@ -200,8 +199,8 @@ class Rollout:
         """The drafter's features and float32 logits of a decode/verify pass; ``mask_for(kv_len)`` builds its
         mask(s).
 
-        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner (only
-        for drafters that read the final hidden state).
+        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner; the
+        graph outputs the drafter's features too (EAGLE-3's tapped layers included).
         """
         runner = self.graphs
         if runner is not None and runner.supports(tokens.shape[0]):
