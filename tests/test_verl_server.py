@@ -55,11 +55,12 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def make_server(path, speculation: str = "never", response_length: int = RESPONSE_LENGTH) -> TLTRolloutServer:
+def make_server(path, speculation: str = "never", response_length: int = RESPONSE_LENGTH,
+                prompt_length: int | None = None) -> TLTRolloutServer:
     settings = {"speculation": speculation, "device": "cpu", "batch_wait_ms": 5.0}
     if speculation != "never":
         settings["num_speculative_tokens"] = 3
-    return TLTRolloutServer(str(path), settings, response_length=response_length)
+    return TLTRolloutServer(str(path), settings, response_length=response_length, prompt_length=prompt_length)
 
 
 def serve(server: TLTRolloutServer, requests: list[tuple[list[int], dict]]) -> list:
@@ -156,6 +157,18 @@ def test_max_tokens_and_the_length_stop_reason(model_dir, reference):
     assert outputs[1].token_ids == full_b
     assert outputs[2].token_ids == full_a
     assert [o.stop_reason for o in outputs] == ["length"] * 3  # cut at the limit, as vLLM's finish_reason says
+
+
+def test_without_max_tokens_a_long_prompt_gets_what_is_left_of_the_budget(model_dir, reference):
+    """veRL's vLLM server: no max_tokens means min(response_length, prompt_length + response_length - prompt)."""
+    server = make_server(model_dir, prompt_length=4)
+    a, b = no_eos_prompts(reference, 2, seed=1)  # a and b are longer than prompt_length
+    full_a = greedy_generate(reference, a, RESPONSE_LENGTH, eos=EOS)
+    budget = 4 + RESPONSE_LENGTH - len(a)
+    assert 0 < budget < RESPONSE_LENGTH
+    short, explicit = serve(server, [(a, VERL_VALIDATE), (a, {**VERL_VALIDATE, "max_tokens": RESPONSE_LENGTH})])
+    assert short.token_ids == full_a[:budget] and short.stop_reason == "length"
+    assert explicit.token_ids == full_a  # an explicit max_tokens is the request's own
 
 
 @pytest.fixture(scope="module")

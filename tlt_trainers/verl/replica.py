@@ -77,6 +77,7 @@ class TLTReplica(RolloutReplica):
             model_path=model_field(self.model_config, "local_path") or model_field(self.model_config, "path"),
             settings=section_of(self.config).to_dict(),
             response_length=self.config.response_length,
+            prompt_length=self.config.prompt_length,
             max_num_seqs=self.config.max_num_seqs,
             replica_rank=self.replica_rank,
             tokenizer_path=(model_field(self.model_config, "local_tokenizer_path")

@@ -136,7 +136,7 @@ def _number(params: dict, key: str, default, kind=float):
     return number
 
 
-def parse_sampling_params(params: dict, response_length: int) -> RequestSampling:
+def parse_sampling_params(params: dict, response_length: int, default_max_tokens: int | None = None) -> RequestSampling:
     """veRL's sampling_params for one request (vLLM's SamplingParams fields), checked and converted.
 
     Honoured as vLLM (with veRL's vLLM server around it) does: temperature (0 = greedy, (0, 0.01) raised to 0.01),
@@ -192,7 +192,8 @@ def parse_sampling_params(params: dict, response_length: int) -> RequestSampling
                          top_p=top_p, min_p=min_p if min_p > 0 else None, repetition_penalty=repetition_penalty)
 
     limit_key = "max_tokens" if params.get("max_tokens") is not None else "max_new_tokens"
-    max_tokens = _number(params, limit_key, response_length, int)
+    default = response_length if default_max_tokens is None else default_max_tokens
+    max_tokens = _number(params, limit_key, default, int)
     max_tokens = max(1, min(max_tokens, response_length))  # veRL's vLLM server clamps below at 1
     stop_token_ids = params.get("stop_token_ids") or ()
     if isinstance(stop_token_ids, int):
@@ -245,12 +246,16 @@ class TLTRolloutServer:
     """Speculative rollouts for one replica (a Ray actor created by :class:`~.replica.TLTReplica`)."""
 
     def __init__(self, model_path: str, settings: dict | TLTSection, response_length: int, max_num_seqs: int = 1024,
-                 replica_rank: int = 0, tokenizer_path: str | None = None, trust_remote_code: bool = False):
+                 replica_rank: int = 0, tokenizer_path: str | None = None, trust_remote_code: bool = False,
+                 prompt_length: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.settings = TLTSection.from_mapping(settings)
         self.replica_rank = replica_rank
         self.response_length = int(response_length)
+        # veRL's rollout.prompt_length: a request without max_tokens gets what is left of prompt + response length
+        # (as veRL's vLLM server computes it, for multi-turn prompts that grow), capped at response_length.
+        self.prompt_length = None if prompt_length is None else int(prompt_length)
         self.max_num_seqs = int(max_num_seqs)
         device = self.settings.device
         if device == "auto":
@@ -310,7 +315,10 @@ class TLTRolloutServer:
                              "actor_rollout_ref.rollout.name=vllm or sglang.")
         if not prompt_ids:
             raise ValueError(f"Request {request_id}: empty prompt.")
-        sampling = parse_sampling_params(dict(sampling_params or {}), self.response_length)
+        budget = None
+        if self.prompt_length is not None:
+            budget = min(self.response_length, self.prompt_length + self.response_length - len(prompt_ids))
+        sampling = parse_sampling_params(dict(sampling_params or {}), self.response_length, budget)
         self._interrupt.set()
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(list(map(int, prompt_ids)), sampling, future))
