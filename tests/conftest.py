@@ -11,6 +11,34 @@ if os.environ.get("TRITON_INTERPRET") is None and "triton" not in sys.modules:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+import contextlib  # noqa: E402
+import importlib.metadata  # noqa: E402
+import warnings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_the_hubs_kernels_package() -> None:
+    """transformers (5.2x) imports the Hub's ``kernels`` package, which it requires, at ``import transformers``'s
+    first model. ``python -m pytest`` puts the checkout's root on sys.path, and there our ``kernels/`` folder
+    (installed as ``tlt_trainers.kernels``) shadows it: every model import then fails. Imported first, with the root
+    off the path, ``kernels`` is the Hub's for the whole run (our kernels stay importable as tlt_trainers.kernels)."""
+    if "kernels" in sys.modules:
+        return
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    try:
+        import kernels  # noqa: F401
+    finally:
+        sys.path[:] = saved
+
+
+_import_the_hubs_kernels_package()
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -27,3 +55,97 @@ def sampling_model():
     from tiny_models import tiny_model
 
     return tiny_model("llama", vocab_size=8, logit_scale=12.0, seed=3)
+
+
+# ---------------------------------------------------------------- our deprecated calls as errors
+# ``--our-deprecations-as-errors`` (.ci/run passes it): a FutureWarning or DeprecationWarning is raised as an error
+# where the deprecated call is made by tlt_trainers, and left a warning where transformers, TRL or the tests make it.
+# A ``-W error::FutureWarning`` filter (or one on the warning's module) cannot tell them apart: transformers'
+# ``deprecate_kwarg`` (stacklevel=2) names the frame that called the deprecated function, which for a model's
+# ``forward`` is torch's ``Module._call_impl`` whoever called the model, and its deprecated aliases
+# (``gradient_checkpointing_enable``, TrainingArguments fields; stacklevel=1) name their own line. So, inside
+# ``warnings.showwarning`` (the public hook, called while the warning call is still on the stack), the frame the
+# warning names is found on the live stack; where that is the warning function itself, its caller is taken instead;
+# module-call plumbing and decorators (torch's ``Module.__call__``, accelerate hooks, the wrappers in
+# ``transformers.utils`` around a model's ``forward``) are skipped; the module of the first frame left made the call,
+# and tlt_trainers makes it ours. It covers each test's setup (fixtures of every scope), call and teardown;
+# an error swallowed by an ``except`` on its way up still fails the test. Subprocesses (torchrun, TRL scripts) are
+# not covered.
+
+_PLUMBING = ("torch", "accelerate", "functools", "contextlib", "transformers.utils")
+
+
+def _plumbing(frame) -> bool:
+    name = frame.f_globals.get("__name__") or ""
+    return any(name == p or name.startswith(p + ".") for p in _PLUMBING)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--our-deprecations-as-errors", action="store_true", default=False,
+                     help="Raise FutureWarning/DeprecationWarning as errors where tlt_trainers makes the call.")
+
+
+def deprecated_call_site(filename: str, lineno: int, frame) -> str | None:
+    """The module that made the call a warning is about. ``frame``: the one inside ``showwarning``'s caller;
+    ``filename:lineno``: where ``warnings`` attributed the warning. None when that frame is not on the stack."""
+    while frame is not None and frame.f_code.co_filename == warnings.__file__:
+        frame = frame.f_back
+    warner = frame  # the frame that called warnings.warn
+    while frame is not None and not (frame.f_code.co_filename == filename and frame.f_lineno == lineno):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    if frame is warner:  # stacklevel=1: the warning names the deprecated function itself; its caller made the call
+        frame = frame.f_back
+    while frame is not None and _plumbing(frame):
+        frame = frame.f_back
+    return None if frame is None else frame.f_globals.get("__name__")
+
+
+@contextlib.contextmanager
+def _our_deprecations_as_errors(config):
+    if not config.getoption("--our-deprecations-as-errors"):
+        yield
+        return
+    ours = []
+
+    with warnings.catch_warnings():
+        # Every occurrence reaches showwarning: DeprecationWarning is ignored by default, and a FutureWarning shown
+        # once per location would hide ours behind the same message from transformers' own call of the same model.
+        warnings.simplefilter("always", DeprecationWarning)
+        warnings.simplefilter("always", FutureWarning)
+        shown = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, (DeprecationWarning, FutureWarning)):
+                caller = deprecated_call_site(filename, lineno, sys._getframe(1))
+                if caller is not None and caller.split(".")[0] == "tlt_trainers":
+                    ours.append(f"{category.__name__} from a call in {caller}: {message}")
+                    raise category(f"{message} [the deprecated call is made by {caller}]")
+            return shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        try:
+            yield
+        finally:
+            warnings.showwarning = shown
+    if ours:
+        pytest.fail("tlt_trainers made deprecated calls (an except on the way up hid the error):\n" + "\n".join(ours))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _our_deprecations_as_errors(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _our_deprecations_as_errors(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _our_deprecations_as_errors(item.config):
+        return (yield)

@@ -44,7 +44,9 @@ def low_precision_model(kind: str, vocab_size: int = VOCAB, seed: int = 0):
     torch.manual_seed(seed)
     config = make()
     config.vocab_size = vocab_size
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # Gemma-2 soft-caps attention scores: eager (transformers 5.2x refuses sdpa for it; 5.10 sdpa ignores the cap).
+    attention = "eager" if isinstance(config, Gemma2Config) else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     model.generation_config.pad_token_id = PAD
@@ -119,11 +121,12 @@ def test_verifier_scores_are_the_models_logits(model, monkeypatch):
     monkeypatch.setattr(rollout_module, "verify", verify)
     steps = seq.shape[1] - prompt.shape[1]
     assert len(seen) == steps
+    cache = target_module.cache_argument(model)  # past_key_values (transformers 5.10) or cache (5.2x), in and out
     with torch.no_grad():
         out = model(seq[:, :4], use_cache=True)
         reference = [out.logits[:, -1].float()]
         for t in range(4, seq.shape[1] - 1):
-            out = model(seq[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(seq[:, t : t + 1], use_cache=True, **{cache: getattr(out, cache)})
             reference.append(out.logits[:, -1].float())
     for ours, theirs in zip(seen, reference):
         assert torch.equal(ours, theirs)

@@ -11,11 +11,15 @@ from functools import partial
 
 import torch
 from torch import nn
+from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 FEW_ROWS = 48
+# transformers 5.2x hands a single query's grouped heads to SDPA without copies itself (``pack_gqa``), rounding as
+# that layout does; 5.10 copies K/V (``repeat_kv``) for it as for any masked query.
+_TRANSFORMERS_PACKS_ONE_QUERY = hasattr(sdpa_attention, "pack_gqa")
 
 
 def cpu_head(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -66,10 +70,13 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     always passes one. The copies grow with batch and context, and at large batch they can cost as much as the
     rest of the step (figures in docs/adaptive_engine.md); with ``enable_gqa`` SDPA reads the grouped heads in
     place and the result is bit-identical (same kernel, same reduction order). Elsewhere it is transformers' own
-    function.
+    function: off CPU, without grouped heads, with ``output_attentions`` or an attention ``softcap`` (which
+    transformers' sdpa ignores in 5.10 and refuses in 5.2x), and for a single query where transformers avoids the
+    copies itself (5.2x), so that decode steps round exactly as ``generate``'s do.
     """
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.device.type != "cpu" or groups == 1 or kwargs.get("output_attentions", False):
+    if (query.device.type != "cpu" or groups == 1 or kwargs.get("output_attentions", False)
+            or kwargs.get("softcap") is not None or (query.shape[2] == 1 and _TRANSFORMERS_PACKS_ONE_QUERY)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

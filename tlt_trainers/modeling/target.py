@@ -8,6 +8,8 @@ whose head does something we do not reproduce is refused instead of silently sam
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -74,6 +76,17 @@ def apply_head_ops(logits: torch.Tensor, ops) -> torch.Tensor:
     return logits
 
 
+def cache_argument(decoder: nn.Module) -> str:
+    """The name under which ``decoder.forward`` takes its KV cache: ``cache`` where transformers has renamed it
+    (5.2x; ``past_key_values`` then warns that it goes in 5.40), else ``past_key_values`` (5.10 and older, where an
+    unknown ``cache=`` would vanish into ``**kwargs`` and the decoder would run without our cache)."""
+    try:
+        parameters = inspect.signature(decoder.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters and "past_key_values" not in parameters else "past_key_values"
+
+
 def logit_transform(config) -> tuple[float | None, float]:
     """(soft-cap, scale) of :func:`head_ops` folded into one factor: the form drafters carry (their config, and the
     ``logit_scale`` vLLM's and SGLang's drafter heads multiply by). A drafter's logits only need to be close to the
@@ -126,6 +139,7 @@ class TargetModel:
                                              vars(head) and head.weight.dtype == self._dtype
                                              and head.weight.device.type == "cpu")
         self._cpu_paths = CpuDecodePaths(self.decoder, self.config)
+        self._cache_argument = cache_argument(self.decoder)
 
     @property
     def device(self) -> torch.device:
@@ -164,8 +178,8 @@ class TargetModel:
                 input_ids=input_ids,
                 position_ids=position_ids,
                 attention_mask=attention_mask,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_argument: cache},
             )
         return out.last_hidden_state
 
