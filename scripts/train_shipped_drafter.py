@@ -2,7 +2,9 @@
 
     python scripts/train_shipped_drafter.py sample --prompts 2400      # the policy's answers, with vLLM (plain)
     python scripts/train_shipped_drafter.py train --minutes 40          # EAGLE-3 on them; writes the shipped folder
-    python scripts/train_shipped_drafter.py finish                      # (again) bf16, held-out acceptance, card
+    python scripts/train_shipped_drafter.py finish                      # (again) bf16 weights and fingerprint
+    python benchmarks/bench_drafters.py --prompts 4 --reps 2            # the one measurement of it
+    python scripts/train_shipped_drafter.py card                        # the model card, from that result file
 
 Data: the embedded policy's sampled answers (temperatures 0.6, 0.8, 1.0, and greedy) to reasoning-gym questions of
 20 tasks with two instructions ("think step by step", "only the final answer"), plus general chat requests built
@@ -117,35 +119,58 @@ def train(args) -> None:
     finish(drafter, model, tokenizer, info, args)
 
 
-def finish(drafter, model, tokenizer, info: dict, args) -> None:
-    """The fingerprint that lets trainers pick this drafter, and a model card with acceptance on held-out prompts."""
-    from tlt_trainers.shipped import FINGERPRINT, policy_fingerprint
-    from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix
-    from tlt_trainers.warmup import measure_acceptance
+BENCH_RESULTS = ROOT / "benchmarks" / "results" / "bench_drafters.json"
+SHIPPED_ROW = "eagle3 shipped"
 
-    drafter.config.target_name_or_path = POLICY
-    # Shipped in bfloat16 (half the bytes in the wheel); measured as it ships: rounded, then back in the policy's dtype
-    dtype = model.get_output_embeddings().weight.dtype
-    drafter.to(torch.bfloat16).to(dtype)
-    Path(args.out, FINGERPRINT).write_text(json.dumps(policy_fingerprint(model), indent=2) + "\n")
-    prompts = prompt_mix(tokenizer, args.eval_prompts, seed=7, topics=EVAL_CHAT_TOPICS)
-    acceptance = {}
-    for temperature in (0.0, 1.0):
-        measured = measure_acceptance(model, tokenizer, drafter, prompts, max_new_tokens=96, num_speculative_tokens=4,
-                                      temperature=temperature, batch_size=4)
-        acceptance[f"{'greedy' if temperature == 0 else 'temperature 1.0'}, chain of 4, batch 4"] = {
-            "acceptance_length": measured["acceptance_length"], "held-out prompts": len(prompts)}
-        print(acceptance, flush=True)
+
+def card_acceptance(results_path: Path = BENCH_RESULTS) -> tuple[dict, str]:
+    """The model card's acceptance table and its source line, from the one measurement of the shipped drafter:
+    ``benchmarks/bench_drafters.py`` (its result file; the bench names its command and machine)."""
+    results = json.loads(Path(results_path).read_text())
+    rows = {}
+    for row in results["rows"]:
+        if row["drafter"] != SHIPPED_ROW:
+            continue
+        setting = "greedy" if row["temperature"] == 0 else f"temperature {row['temperature']:g}"
+        rows[f"{setting}, chain of {results['args']['k']}, batch {row['batch']}"] = {
+            "acceptance_length": row["acceptance_length"], "tokens/s vs plain": row["speedup"]}
+    if not rows:
+        raise ValueError(f"{results_path} has no '{SHIPPED_ROW}' rows; run benchmarks/bench_drafters.py first.")
+    machine = results["machine"]
+    rel = Path(results_path).resolve().relative_to(ROOT) if Path(results_path).resolve().is_relative_to(ROOT) \
+        else Path(results_path)
+    source = (f"Measured by `{results['command']}` on held-out prompts ({machine['cpu']}, {machine['cpus']} CPUs, "
+              f"{machine['date']}); the figures are those of `{rel}`.")
+    return rows, source
+
+
+def write_card(drafter, info: dict, out: str | Path, results_path: Path = BENCH_RESULTS) -> Path:
+    """The shipped folder's README.md, its acceptance from :func:`card_acceptance`."""
+    from tlt_trainers.drafter.model_card import write_model_card
+
+    acceptance, source = card_acceptance(results_path)
     training = {"data": f"{info['answers']} answers of the policy ({info['answer_tokens']} answer tokens) to "
                         "reasoning-gym questions (20 tasks) and chat requests, temperatures 0.6/0.8/1.0 and greedy",
                 "steps": info["steps"], "tokens trained": info["tokens_trained"],
                 "minutes": round(info["train_seconds"] / 60, 1), "unroll (training-time test)": info["unroll_steps"],
                 "reproduce": info["command"]}
-    drafter.to(torch.bfloat16).save_pretrained(args.out, model_card={
-        "policy_name": POLICY, "acceptance": acceptance, "num_speculative_tokens": 4, "training": training,
-        "license": "apache-2.0"})
+    return write_model_card(drafter, out, policy_name=POLICY, acceptance=acceptance, num_speculative_tokens=4,
+                            training=training, license="apache-2.0", acceptance_source=source)
+
+
+def finish(drafter, model, tokenizer, info: dict, args) -> None:
+    """The fingerprint that lets trainers pick this drafter, the weights in bfloat16; then measure it with
+    ``python benchmarks/bench_drafters.py`` and write its card with ``... card``."""
+    from tlt_trainers.shipped import FINGERPRINT, policy_fingerprint
+
+    drafter.config.target_name_or_path = POLICY
+    # Shipped in bfloat16 (half the bytes in the wheel); measured as it ships: rounded, then back in the policy's dtype
+    dtype = model.get_output_embeddings().weight.dtype
+    Path(args.out, FINGERPRINT).write_text(json.dumps(policy_fingerprint(model), indent=2) + "\n")
+    drafter.to(torch.bfloat16).save_pretrained(args.out)
     drafter.to(dtype)
-    print(f"saved {args.out}")
+    print(f"saved {args.out}; now: python benchmarks/bench_drafters.py --prompts 4 --reps 2 && "
+          "python scripts/train_shipped_drafter.py card")
 
 
 def finish_saved(args) -> None:
@@ -156,6 +181,15 @@ def finish_saved(args) -> None:
     model, tokenizer = load_smollm2()
     drafter = Drafter.from_pretrained(args.out, target=model)
     finish(drafter, model, tokenizer, json.loads(Path(args.out, "training.json").read_text()), args)
+
+
+def card(args) -> None:
+    """Rewrite ``--out``/README.md from the bench_drafters result file (no measurement here)."""
+    from tlt_trainers import Drafter
+
+    drafter = Drafter.from_pretrained(args.out)
+    path = write_card(drafter, json.loads(Path(args.out, "training.json").read_text()), args.out, Path(args.results))
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -173,13 +207,14 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--report-every", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the model card's acceptance")
     p.add_argument("--out", default=str(SHIPPED))
-    p = sub.add_parser("finish", help="round the trained drafter to bfloat16, measure it, write its model card")
-    p.add_argument("--eval-prompts", type=int, default=16)
+    p = sub.add_parser("finish", help="round the trained drafter to bfloat16 and save it with its fingerprint")
     p.add_argument("--out", default=str(SHIPPED))
+    p = sub.add_parser("card", help="write the model card from benchmarks/results/bench_drafters.json")
+    p.add_argument("--out", default=str(SHIPPED))
+    p.add_argument("--results", default=str(BENCH_RESULTS))
     args = parser.parse_args()
-    {"sample": sample, "train": train, "finish": finish_saved}[args.command](args)
+    {"sample": sample, "train": train, "finish": finish_saved, "card": card}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 trainers start from the match unless told otherwise."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +53,21 @@ def test_trainers_start_from_the_shipped_drafter_unless_told_otherwise(shelf):
         rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm-eagle1", drafter=drafter)
     eagle1, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle"), seed=0)
     assert isinstance(eagle1, EagleDrafter)
+
+
+def test_model_card_figures_are_the_bench_drafters_result():
+    """One figure, one source: the shipped card's acceptance table is what benchmarks/bench_drafters.py measured
+    (its result file), as ``scripts/train_shipped_drafter.py card`` writes it."""
+    import importlib.util
+
+    from tlt_trainers.drafter.model_card import acceptance_table
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "scripts" / "train_shipped_drafter.py"
+    spec = importlib.util.spec_from_file_location("train_shipped_drafter", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows, source = script.card_acceptance()
+    assert len(rows) == 4  # greedy and T=1, batch 1 and 4
+    card = (root / "tlt_trainers" / "shipped" / "smollm2-135m-instruct-eagle3" / "README.md").read_text()
+    assert acceptance_table(rows) in card and source in card

@@ -62,6 +62,7 @@ def write_model_card(
     sglang_model: str | None = None,
     training: dict | None = None,
     license: str | None = None,
+    acceptance_source: str | None = None,
 ) -> Path:
     """Write ``out_dir/README.md``: YAML front matter (``library_name``, ``tags``, ``base_model`` = the policy) and
     what the drafter is aligned to, its measured acceptance, and how to load it in tlt_trainers, vLLM and SGLang.
@@ -70,7 +71,8 @@ def write_model_card(
     ``acceptance``: measured acceptance (a dict, or generation stats), rendered by :func:`acceptance_table`.
     ``repo_id``: where this folder is published (used in the load snippets). ``vllm_model``/``sglang_model``: where
     exports made with ``tlt_trainers.drafter.export`` are published; when None the snippets show the export step.
-    ``training``: facts about training (steps, tokens, rollouts, ...), listed as given. Returns the README path.
+    ``training``: facts about training (steps, tokens, rollouts, ...), listed as given. ``acceptance_source``: where
+    the acceptance figures come from (the command and result file that measured them). Returns the README path.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -156,6 +158,7 @@ def write_model_card(
         "",
         acceptance_table(acceptance),
         "",
+        *([acceptance_source, ""] if acceptance_source else []),
         "## Use it",
         "",
         "tlt-trainers (the files in this folder):",
