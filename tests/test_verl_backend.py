@@ -149,7 +149,9 @@ def test_greedy_rollout_through_agent_loop_matches_generate(model_dir, rollout_a
         response = responses[row][output.batch["response_mask"][row].bool()].tolist()
         assert response == reference_greedy(model_dir, prompt_ids, 24), f"row {row} differs from generate"
     metrics = agents.pop_metrics()
-    assert metrics["tlt/acceptance_length"] >= 1.0
+    # speculation=always with chains of 3: every decode step speculated, each emitting between 1 and 4 tokens
+    assert metrics["tlt/speculative_step_fraction"] == 1.0
+    assert 1.0 <= metrics["tlt/acceptance_length"] <= 4.0
     assert metrics["tlt/drafter_steps"] >= 1
     # The replica trained either while an agent-loop worker was still post-processing (idle) or after the rollout.
     if metrics["tlt/drafter_trigger_idle"]:

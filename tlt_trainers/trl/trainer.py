@@ -66,6 +66,14 @@ _VLLM_SERVER_CPU_ERROR = (
 )
 
 
+def refuse_zero3(accelerator_state) -> None:
+    """DeepSpeed ZeRO-3 partitions the policy's LM head outside generation, where the drafter reads it."""
+    plugin = getattr(accelerator_state, "deepspeed_plugin", None)
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+        raise ValueError("DeepSpeed ZeRO-3 is not supported by TLTGRPOTrainer yet (the drafter reads the policy's "
+                         "LM head outside generation, where ZeRO-3 keeps it partitioned); use ZeRO-2, FSDP or DDP.")
+
+
 def _policy_of(unwrapped):
     """The transformers model that generate() runs: the base model (LoRA layers live) for a PEFT model."""
     get_base = getattr(unwrapped, "get_base_model", None)
@@ -151,10 +159,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             logger.warning("TLTGRPOTrainer: a rollout_func replaces TRL's generation, so TLT's speculative engine "
                            "is not used; drafter updates only train on what the engine generates.")
 
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
-            raise ValueError("DeepSpeed ZeRO-3 is not supported by TLTGRPOTrainer yet (the drafter reads the policy's "
-                             "LM head outside generation, where ZeRO-3 keeps it partitioned); use ZeRO-2, FSDP or DDP.")
+        refuse_zero3(self.accelerator.state)
         policy = _policy_of(self.accelerator.unwrap_model(self.model))
         config = self.generation_config if not self.use_vllm else _vllm_sampling_config(self)
         config = effective_generation_config(config, policy)
