@@ -12,32 +12,7 @@ if os.environ.get("TRITON_INTERPRET") is None and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
 
 import contextlib  # noqa: E402
-import importlib.metadata  # noqa: E402
 import warnings  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _import_the_hubs_kernels_package() -> None:
-    """transformers (5.2x) imports the Hub's ``kernels`` package, which it requires, at ``import transformers``'s
-    first model. ``python -m pytest`` puts the checkout's root on sys.path, and there our ``kernels/`` folder
-    (installed as ``tlt_trainers.kernels``) shadows it: every model import then fails. Imported first, with the root
-    off the path, ``kernels`` is the Hub's for the whole run (our kernels stay importable as tlt_trainers.kernels)."""
-    if "kernels" in sys.modules:
-        return
-    try:
-        importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
-    try:
-        import kernels  # noqa: F401
-    finally:
-        sys.path[:] = saved
-
-
-_import_the_hubs_kernels_package()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

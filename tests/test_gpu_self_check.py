@@ -47,7 +47,7 @@ def triton_kernels():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton is imported (conftest.py)")
-    import kernels.verify_triton as verify_triton
+    import tlt_trainers.kernels.verify_triton as verify_triton
 
     return verify_triton
 

@@ -2,7 +2,7 @@
 
 Runs under Triton's interpreter on CPU (``TRITON_INTERPRET=1``, set by tests/conftest.py): decisions
 (drafts kept, path through the tree) must be identical, and so must the sampled tokens for these seeds (the
-kernel's block sums differ from ``cumsum`` only within rounding, see ``kernels/verify_triton.py``).
+kernel's block sums differ from ``cumsum`` only within rounding, see ``tlt_trainers/kernels/verify_triton.py``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_engine_with_the_fused_kernels_samples_what_the_torch_path_samples(monke
     from test_engine_greedy import train_drafter
     from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
-    import kernels.verify_triton as verify_triton
+    import tlt_trainers.kernels.verify_triton as verify_triton
     from tlt_trainers import SpeculativeGenerator, TLTConfig
     from tlt_trainers.sampling import verify as verify_module
 

@@ -1,5 +1,5 @@
 """Packed drafter training: sequences laid end to end instead of padded, the training-time test's attention merged
-from a causal varlen prefix and the diagonal keys (``kernels/packed_attention.py``).
+from a causal varlen prefix and the diagonal keys (``tlt_trainers/kernels/packed_attention.py``).
 
 The torch backend runs here through the same autograd function the flash-attn backend uses on CUDA; it must give
 the padded path's outputs, loss and gradients. flash-attn itself needs CUDA (its check is skipped here, and runs in

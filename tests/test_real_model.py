@@ -35,6 +35,87 @@ def test_greedy_speculation_is_identical_to_generate_on_the_real_model(smollm2):
     assert torch.equal(ours.sequences, reference)
 
 
+PROMPTS = ("What is 17 + 25? Give only the final answer.", "Name one primary colour. One word.",
+           "Is 91 a prime number? Answer yes or no.", "Write the number seven in digits only.")
+
+
+def sample_rows(model, tok, engine, samples_per_prompt: int, seed: int, max_new_tokens: int = 24,
+                temperature: float = 1.0):
+    """Rows [prompt + new] sampled with the full softmax by ``engine`` (None: model.generate), the prompts'
+    attention mask, and the engine's stats."""
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in PROMPTS]
+    enc = tok([c for c in chats for _ in range(samples_per_prompt)], return_tensors="pt", padding=True)
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if engine is None:
+        torch.manual_seed(seed)
+        sequences = model.generate(enc.input_ids, attention_mask=enc.attention_mask, **settings)
+        stats = None
+    else:
+        result = engine.generate(enc.input_ids, attention_mask=enc.attention_mask,
+                                 generator=torch.Generator().manual_seed(seed), **settings)
+        sequences, stats = result.sequences, result.stats
+    return sequences, enc.attention_mask, stats
+
+
+def completion_statistics(model, tok, sequences, prompt_mask):
+    """Per row: the completion's length (up to and including EOS) and the policy's mean log-prob per token."""
+    width = prompt_mask.shape[1]
+    completion = sequences[:, width:]
+    is_eos = completion == tok.eos_token_id
+    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], completion.shape[1],
+                                                                                     dtype=torch.long))
+    keep = torch.arange(completion.shape[1])[None] < lengths[:, None]
+    mask = torch.cat([prompt_mask, keep.long()], dim=1)
+    with torch.no_grad():
+        logits = model(sequences, attention_mask=mask).logits[:, width - 1 : -1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
+    mean_logp = (logp * keep).sum(1) / lengths
+    return lengths.numpy(), mean_logp.numpy()
+
+
+SAMPLES_PER_PROMPT = 12
+
+
+@pytest.fixture(scope="module")
+def generate_law(smollm2):
+    """The law of model.generate at T=1 (full softmax): per-row completion length and mean policy log-prob."""
+    model, tok = smollm2
+    return completion_statistics(model, tok, *sample_rows(model, tok, None, SAMPLES_PER_PROMPT, seed=1)[:2])
+
+
+@pytest.mark.parametrize("strategy", ["chain:4", "tree:4x2:8"])
+def test_sampling_law_on_the_real_model_with_the_shipped_drafter(smollm2, generate_law, strategy):
+    """At T=1 with speculation forced on, the engine samples the law model.generate samples: the policy's mean
+    log-prob of the sampled tokens and the completion-length law agree within noise (two-sample KS, 48 rows
+    each), and the drafter's proposals were both accepted and rejected, so verification did the work."""
+    from scipy.stats import ks_2samp
+
+    from tlt_trainers import Drafter
+    from tlt_trainers.shipped import shipped_drafter_for
+
+    model, tok = smollm2
+    drafter = Drafter.from_pretrained(shipped_drafter_for(model), target=model)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy))
+    sequences, mask, stats = sample_rows(model, tok, engine, SAMPLES_PER_PROMPT, seed=2)
+    ours = completion_statistics(model, tok, sequences, mask)
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    for name, a, b in zip(("completion length", "mean log-prob"), generate_law, ours):
+        assert ks_2samp(a, b).pvalue > 1e-3, (name, a.mean(), b.mean())
+
+
+def test_the_sampling_law_test_detects_a_temperature_change(smollm2, generate_law):
+    """Power of the test above: rows sampled at T=0.8 are told apart from model.generate's at T=1."""
+    from scipy.stats import ks_2samp
+
+    model, tok = smollm2
+    cooler = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    sequences, mask, _ = sample_rows(model, tok, cooler, SAMPLES_PER_PROMPT, seed=3, temperature=0.8)
+    other = completion_statistics(model, tok, sequences, mask)
+    assert min(ks_2samp(a, b).pvalue for a, b in zip(generate_law, other)) < 1e-3
+
+
 def test_warmup_command_runs_offline(tmp_path):
     out = tmp_path / "drafter"
     cmd = [sys.executable, "-m", "tlt_trainers.cli", "warmup-drafter", "--out", str(out), "--num-prompts", "4",
@@ -42,7 +123,9 @@ def test_warmup_command_runs_offline(tmp_path):
     subprocess.run(cmd, check=True, timeout=900)
     report = json.loads((out / "warmup_report.json").read_text())
     assert report["answer_tokens"] > 0 and report["training"]["steps"] > 0
-    assert report["acceptance_after"]["t0"]["acceptance_length"] >= 1.0
+    # what the warm-up is for: the drafter it writes is accepted more often than the fresh one it started from
+    before, after = (report[k]["t0"]["acceptance_length"] for k in ("acceptance_before", "acceptance_after"))
+    assert after > before, (before, after)
     drafter_config = json.loads((out / "config.json").read_text())
     assert drafter_config["draft_vocab_size"] == 1024 and drafter_config["target_name_or_path"] == "smollm2-135m"
 

@@ -42,7 +42,9 @@ def tiny_model(kind: str = "llama", vocab_size: int = 64, seed: int = 0, logit_s
         config = Gemma2Config(**{**kwargs, **overrides})
     else:
         config = CONFIGS[kind](**{**kwargs, **overrides})
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # Gemma-2 soft-caps attention scores, which only eager attention applies (transformers >= 5.2x refuses sdpa).
+    attention = "eager" if kind == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     if logit_scale != 1.0:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(logit_scale)
