@@ -11,6 +11,7 @@ seconds each); a TRL upgrade that changes a feature shows here as the first fail
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from unittest.mock import patch
 
@@ -459,18 +460,37 @@ def test_environment_factory_calls_as_stock(tmp_path):
     assert all(log["reward"] > 0 for log in ours[1].logs if "reward" in log)
 
 
+_LIGER_RUN = """
+import json, sys, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")  # TRL >= 1.16 deprecates use_liger_kernel itself: the user's setting, not our call
+from test_trl_compat import GRPOTrainer, TLTGRPOTrainer, run
+outcomes = []
+for cls in (GRPOTrainer, TLTGRPOTrainer):
+    try:
+        run(cls, Path(sys.argv[1]) / cls.__name__, config={"use_liger_kernel": True})
+        outcomes.append(["trained"])
+    except Exception as err:
+        outcomes.append([type(err).__name__, str(err)])
+print(json.dumps(outcomes))
+"""
+
+
 def test_liger_kernel_same_outcome_as_stock(tmp_path):
-    """use_liger_kernel: TLT changes nothing about it. Liger's Triton kernels need a GPU driver, so on this CPU both
-    trainers stop with the same error from liger; on a GPU both train (benchmarks/gpu_check.py)."""
+    """use_liger_kernel: TLT changes nothing about it. Liger's Triton kernels need a GPU, so on this CPU both
+    trainers stop with the same error from liger; on a GPU both train. In a subprocess: liger patches transformers'
+    Llama modules for the whole process, which would leave its kernels in every later test's models."""
+    import json
+    import subprocess
+    import sys
+
     pytest.importorskip("liger_kernel")
-    outcomes = []
-    for cls in (GRPOTrainer, TLTGRPOTrainer):
-        try:
-            run(cls, tmp_path / cls.__name__, config={"use_liger_kernel": True})
-            outcomes.append(("trained",))
-        except Exception as err:  # noqa: BLE001 -- the outcome compared is whatever stock does
-            outcomes.append((type(err).__name__, str(err)))
-    assert outcomes[0] == outcomes[1], outcomes
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", _LIGER_RUN, str(tmp_path)], cwd=tests, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tests)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    stock, ours = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stock == ours, (stock, ours)
 
 
 def test_deepspeed_zero3_is_refused_with_the_fix():
