@@ -149,8 +149,9 @@ def test_greedy_rollout_through_agent_loop_matches_generate(model_dir, rollout_a
         response = responses[row][output.batch["response_mask"][row].bool()].tolist()
         assert response == reference_greedy(model_dir, prompt_ids, 24), f"row {row} differs from generate"
     metrics = agents.pop_metrics()
-    # speculation=always with chains of 3: every decode step speculated, each emitting between 1 and 4 tokens
-    assert metrics["tlt/speculative_step_fraction"] == 1.0
+    # speculation=always with chains of 3: every step with room for a draft speculates (a step with one token left
+    # decodes plainly: one such step in a 24-token rollout), each emitting between 1 and 4 tokens
+    assert metrics["tlt/speculative_step_fraction"] > 0.9
     assert 1.0 <= metrics["tlt/acceptance_length"] <= 4.0
     assert metrics["tlt/drafter_steps"] >= 1
     # The replica trained either while an agent-loop worker was still post-processing (idle) or after the rollout.
