@@ -260,6 +260,22 @@ def test_logprobs_are_those_of_the_penalized_law(model_dir, reference):
         assert output.log_probs == pytest.approx(expected, abs=1e-5), f"row {row}"
 
 
+def test_raw_logprobs_mode_and_refused_modes(model_dir, reference):
+    """rollout.logprobs_mode=raw_logprobs: the model's own log-softmax at each sampled token, before the penalty and
+    temperature the tokens were drawn with; modes returning logits are refused by name."""
+    server = TLTRolloutServer(str(model_dir), {"speculation": "never", "device": "cpu", "batch_wait_ms": 5.0},
+                              response_length=RESPONSE_LENGTH, logprobs_mode="raw_logprobs")
+    prompt = random_prompts(1, 4, seed=6)[0]
+    (output,) = serve(server, [(prompt, dict(temperature=0.7, repetition_penalty=1.5, logprobs=True))])
+    assert output.log_probs == pytest.approx(processed_logprobs(reference, prompt, output.token_ids, []), abs=1e-5)
+    processed = processed_logprobs(reference, prompt, output.token_ids,
+                                   [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(0.7)])
+    assert output.log_probs != pytest.approx(processed, abs=1e-3)  # the two modes differ here
+    with pytest.raises(ValueError, match="logprobs_mode='raw_logits'"):
+        TLTRolloutServer(str(model_dir), {"speculation": "never", "device": "cpu"}, response_length=RESPONSE_LENGTH,
+                         logprobs_mode="raw_logits")
+
+
 def test_min_p_is_sampled_and_in_the_logprobs(model_dir, reference):
     """min_p (vLLM: after temperature, before top-k) keeps the tokens with at least min_p times the top token's
     probability; every sampled token is one of them and its log-prob is the renormalized law's."""

@@ -78,6 +78,7 @@ class TLTReplica(RolloutReplica):
             settings=section_of(self.config).to_dict(),
             response_length=self.config.response_length,
             prompt_length=self.config.prompt_length,
+            logprobs_mode=getattr(self.config, "logprobs_mode", None) or "processed_logprobs",
             max_num_seqs=self.config.max_num_seqs,
             replica_rank=self.replica_rank,
             tokenizer_path=(model_field(self.model_config, "local_tokenizer_path")

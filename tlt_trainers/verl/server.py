@@ -44,6 +44,8 @@ _MIN_TEMPERATURE = 1e-2
 # What this server does with each key of veRL's sampling_params (vLLM's SamplingParams fields, as veRL's vLLM server
 # receives them). A default veRL config sends temperature, top_p, top_k, repetition_penalty and logprobs (the agent
 # loop), stop_token_ids (the tool agent loop) and max_tokens (the fully-async client, the generation server).
+# rollout.logprobs_mode values the server returns (vLLM's *_logits modes return logits, not log-probs: refused).
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 HONOURED_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "max_new_tokens",
                      "stop_token_ids", "ignore_eos", "logprobs")
 
@@ -247,7 +249,7 @@ class TLTRolloutServer:
 
     def __init__(self, model_path: str, settings: dict | TLTSection, response_length: int, max_num_seqs: int = 1024,
                  replica_rank: int = 0, tokenizer_path: str | None = None, trust_remote_code: bool = False,
-                 prompt_length: int | None = None):
+                 prompt_length: int | None = None, logprobs_mode: str = "processed_logprobs"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.settings = TLTSection.from_mapping(settings)
@@ -256,6 +258,11 @@ class TLTRolloutServer:
         # veRL's rollout.prompt_length: a request without max_tokens gets what is left of prompt + response length
         # (as veRL's vLLM server computes it, for multi-turn prompts that grow), capped at response_length.
         self.prompt_length = None if prompt_length is None else int(prompt_length)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"actor_rollout_ref.rollout.logprobs_mode={logprobs_mode!r}: the tlt rollout backend "
+                             f"returns {' or '.join(LOGPROBS_MODES)} (log-probs of the sampled tokens); set one of "
+                             "them, or use actor_rollout_ref.rollout.name=vllm.")
+        self.logprobs_mode = logprobs_mode
         self.max_num_seqs = int(max_num_seqs)
         device = self.settings.device
         if device == "auto":
@@ -409,12 +416,18 @@ class TLTRolloutServer:
         (``rollout.logprobs_mode``'s default; vLLM's own default, ``raw_logprobs``, would be the model's
         unprocessed log-softmax) and keeps the sampled token's entry. They come from one extra policy forward over
         prompt and completion, so they differ from the sampling pass's by float rounding only.
+
+        With ``rollout.logprobs_mode=raw_logprobs`` (vLLM's own default): the log-softmax of the model's logits,
+        before any processing.
         """
         if not completion:
             return []
         full = torch.tensor(prompt + completion, dtype=torch.long, device=self.device)
         logits = self.model(input_ids=full[None]).logits[0, len(prompt) - 1: -1]  # [T, V]: the scores of each token
         sampled = full[len(prompt):]
+        if self.logprobs_mode == "raw_logprobs":
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, sampled[:, None])[:, 0]
+            return logp.tolist()
         steps, vocab = logits.shape
         prompt_seen = first_generated = None
         if law.uses_presence:
