@@ -405,6 +405,16 @@ def check_drafter_training(model, device, quick: bool) -> dict:
     return out
 
 
+def write_and_check_self_checks(name: str, results: dict) -> None:
+    """Write the results (also to $OUT on the device machine) and stop with an error if a self-check failed."""
+    path = write_results(name, results)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
+    print(f"wrote {path}")
+    if not results["self_checks"]["ok"]:
+        sys.exit("a GPU path failed its self-check or its fallback: see the self-check table above")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU with the graphs' static path (smoke test)")
@@ -436,12 +446,7 @@ def main():
     # 0. The GPU paths' first-use self-checks and fallbacks (first: the rest takes minutes).
     results["self_checks"] = self_checks(model, drafter, prompts, device, dtype, min(new_tokens, 32))
     if args.self_checks_only:
-        path = write_results("gpu_self_checks" if cuda else "gpu_self_checks_cpu_smoke", results)
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
-        print(f"wrote {path}")
-        if not results["self_checks"]["ok"]:
-            sys.exit("a GPU path failed its self-check or its fallback: see the self-check table above")
+        write_and_check_self_checks("gpu_self_checks" if cuda else "gpu_self_checks_cpu_smoke", results)
         return
 
     # 1. Exactness with graphs: greedy rollouts equal model.generate for every strategy (rows of mixed lengths).
@@ -512,12 +517,7 @@ def main():
     results["table_self_checks"] = print_table(
         ["self-check", "detail", "result", "ok"],
         [[r["check"], r.get("detail", ""), r["result"], r["ok"]] for r in results["self_checks"]["rows"]])
-    path = write_results("gpu_check" if cuda else "gpu_check_cpu_smoke", results)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(path.read_text())
-    print(f"wrote {path}")
-    if not results["self_checks"]["ok"]:
-        sys.exit("a GPU path failed its self-check or its fallback: see the self-check table above")
+    write_and_check_self_checks("gpu_check" if cuda else "gpu_check_cpu_smoke", results)
     if not all(c.get("identical") for c in results["checks"]):
         sys.exit("some strategy is not exact with CUDA graphs: see the checks above")
     if results["kernels"].get("error") or not all(c["identical"] for c in results["kernels"].get("checks", [])):

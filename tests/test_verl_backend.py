@@ -16,11 +16,11 @@ ray = pytest.importorskip("ray")
 
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from tiny_models import EOS, PAD, char_tokenizer, tiny_model  # noqa: E402
+from tiny_models import EOS, PAD, save_with_char_tokenizer, tiny_model  # noqa: E402
+from verl_runs import CHAT_TEMPLATE  # noqa: E402
 
 from tlt_trainers.verl import TLTSection, check_tlt_config  # noqa: E402
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 QUESTIONS = ["1+2", "3*4-5", "7+8+9", "(2+3)*4", "10-6", "9*9"]
 
 
@@ -34,11 +34,7 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     model = tiny_model("llama", vocab_size=64, seed=5, logit_scale=4.0)
     model.generation_config.eos_token_id = EOS
-    model.save_pretrained(path)
-    tokenizer = char_tokenizer(64)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return save_with_char_tokenizer(model, path, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

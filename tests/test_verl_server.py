@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("verl")
 
-from tiny_models import EOS, PAD, char_tokenizer, tiny_model  # noqa: E402
+from tiny_models import EOS, PAD, save_with_char_tokenizer, tiny_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.logits_process import (  # noqa: E402
     MinPLogitsWarper,
@@ -45,9 +45,7 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_server")
     model = tiny_model("llama", vocab_size=64, seed=5, logit_scale=4.0)
     model.generation_config.eos_token_id = EOS
-    model.save_pretrained(path)
-    char_tokenizer(64).save_pretrained(path)
-    return path
+    return save_with_char_tokenizer(model, path)
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +184,8 @@ def stop_model(model_dir, reference, tmp_path_factory):
                  if stop not in greedy_generate(reference, p, RESPONSE_LENGTH, eos=None))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.generation_config.eos_token_id = stop
-    path = tmp_path_factory.mktemp("tiny_llama_stop")
-    model.save_pretrained(path)
-    char_tokenizer(64).save_pretrained(path)  # its EOS (1) ends completions too, as in vLLM
+    # the tokenizer's EOS (1) ends completions too, as in vLLM
+    path = save_with_char_tokenizer(model, tmp_path_factory.mktemp("tiny_llama_stop"))
     return path, prompt, free, stop, other
 
 

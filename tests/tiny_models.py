@@ -76,3 +76,13 @@ def char_tokenizer(vocab_size: int = 64):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
                                         bos_token="<s>", padding_side="left")
     return tokenizer
+
+
+def save_with_char_tokenizer(model, path, chat_template: str | None = None):
+    """``model`` and ``char_tokenizer(64)`` (with ``chat_template``, if given) saved to ``path``, as a Hub folder."""
+    model.save_pretrained(path)
+    tokenizer = char_tokenizer(64)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return path

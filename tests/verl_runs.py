@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pandas as pd
-from tiny_models import char_tokenizer
+from tiny_models import save_with_char_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 
@@ -25,11 +25,7 @@ REWARD = textwrap.dedent('''
 
 def write_assets(root: Path, model) -> Path:
     """``model`` with the char tokenizer in ``root/tiny_llama``, arithmetic train/val parquet files, the reward."""
-    model_dir = root / "tiny_llama"
-    model.save_pretrained(model_dir)
-    tokenizer = char_tokenizer(64)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
+    save_with_char_tokenizer(model, root / "tiny_llama", CHAT_TEMPLATE)
 
     def rows(n, split):
         return [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{i % 7}+{(3 * i) % 5}"}],

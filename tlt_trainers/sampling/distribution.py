@@ -166,6 +166,8 @@ def effective_generation_config(config: GenerationConfig | None, model) -> Gener
 
 
 SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# The value that switches each setting off, where a config leaves it None (min_p: None already means off).
+NEUTRAL_SAMPLING = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def resolve_sampling(model, **settings) -> SamplingParams:
@@ -181,8 +183,7 @@ def resolve_sampling(model, **settings) -> SamplingParams:
     for name in SAMPLING_FIELDS:
         value = settings.get(name)
         values[name] = getattr(resolved, name, None) if value is None else value
-    neutral = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
-    for name, value in neutral.items():
+    for name, value in NEUTRAL_SAMPLING.items():
         if values[name] is None:
             values[name] = value
     # generate() ignores the warpers when greedy; so does the engine (SamplingParams.warpers).

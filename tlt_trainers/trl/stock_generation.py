@@ -12,7 +12,12 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 
 from ..modeling.target import text_config
-from ..sampling.distribution import SamplingParams, check_generation_config, unsupported_generation_setting
+from ..sampling.distribution import (
+    NEUTRAL_SAMPLING,
+    SamplingParams,
+    check_generation_config,
+    unsupported_generation_setting,
+)
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
 # transformers' own generate, as defined: a test or a library may later patch GenerationMixin.generate itself.
@@ -62,17 +67,17 @@ def generation_settings(config: GenerationConfig) -> dict:
     """Keyword arguments of ``SpeculativeGenerator.generate`` equivalent to ``config``; ValueError if there are none."""
     check_generation_config(config)
 
-    def value(name, neutral):
+    def value(name):
         current = getattr(config, name, None)
-        return neutral if current is None else current
+        return NEUTRAL_SAMPLING[name] if current is None else current
 
     settings = dict(
-        do_sample=bool(value("do_sample", False)),
-        temperature=float(value("temperature", 1.0)),
-        top_k=int(value("top_k", 0)),
-        top_p=float(value("top_p", 1.0)),
+        do_sample=bool(value("do_sample")),
+        temperature=float(value("temperature")),
+        top_k=int(value("top_k")),
+        top_p=float(value("top_p")),
         min_p=config.min_p,
-        repetition_penalty=float(value("repetition_penalty", 1.0)),
+        repetition_penalty=float(value("repetition_penalty")),
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
