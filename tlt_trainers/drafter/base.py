@@ -25,12 +25,27 @@ from ..modeling.kv_cache import RowKV
 from ..modeling.target import compute_dtype
 from .config import WEIGHTS_NAME, EagleDrafterConfig
 
+EXPORT_LAYOUTS = ("speculators", "vllm", "sglang")
+
 
 class _TargetModules:
     """Plain holder so that the policy's modules are not registered as the drafter's submodules."""
 
     def __init__(self, embed: nn.Module, head: nn.Module):
         self.embed, self.head = embed, head
+
+
+def _is_own_layout(directory: Path) -> bool:
+    """Whether ``directory`` holds a drafter saved by this package (else another tool's layout, or nothing)."""
+    import json
+
+    from .config import ARCHITECTURES, CONFIG_NAME
+
+    try:  # our configs name an architecture of ARCHITECTURES and a format_version
+        data = json.loads(Path(directory, CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return True  # missing or broken: EagleDrafterConfig.load says what is wrong
+    return not isinstance(data, dict) or data.get("architecture") in ARCHITECTURES or "format_version" in data
 
 
 class Drafter(nn.Module, ABC):
@@ -202,7 +217,9 @@ class Drafter(nn.Module, ABC):
         """Load from a directory (or a Hub repo id, downloaded with huggingface_hub) and bind to ``target``.
 
         The class comes from the saved ``architecture`` (``Drafter.from_pretrained`` loads either kind; a subclass
-        refuses the other one).
+        refuses the other one). A folder in another tool's layout (the EAGLE authors' EAGLE-1/EAGLE-3, SpecForge /
+        SGLang, the ``speculators`` library, the TLT authors' RL drafters: see
+        :mod:`tlt_trainers.drafter.layouts`) is converted, which needs the policy as ``target`` to check it against.
         """
         directory = Path(path)
         if not directory.is_dir():
@@ -215,6 +232,17 @@ class Drafter(nn.Module, ABC):
             from huggingface_hub import snapshot_download
 
             directory = Path(snapshot_download(str(path), **hub_kwargs))
+        if not _is_own_layout(directory):
+            if target is None:
+                raise ValueError(f"The drafter at {path} is in another tool's layout; pass target=policy so that it "
+                                 "can be converted and checked against the policy.")
+            from .layouts import load_drafter
+
+            drafter = load_drafter(directory, target)
+            if not isinstance(drafter, cls):
+                raise ValueError(f"The drafter at {path} is an {type(drafter).__name__} and {cls.__name__}."
+                                 "from_pretrained loads only its own kind: load it with Drafter.from_pretrained.")
+            return drafter
         config = EagleDrafterConfig.load(directory)
         kind = Drafter._classes[config.architecture]
         if not issubclass(kind, cls):
@@ -238,19 +266,54 @@ class Drafter(nn.Module, ABC):
             drafter.bind(target)
         return drafter
 
-    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
-                    commit_message: str | None = None, model_card: dict | None = None) -> str:
-        """Save to a temporary directory with a README.md model card and upload it as a model repo.
+    def export(self, out_dir: str | os.PathLike, layout: str, verifier_name_or_path=None, **export_kwargs) -> Path:
+        """Write this drafter in ``layout`` (see :data:`EXPORT_LAYOUTS`): 'speculators' / 'vllm' is what vLLM serves
+        from the folder or its Hub id (EAGLE-3: the speculators layout; EAGLE-1: vLLM's ``eagle`` layout, and
+        'speculators' the speculators library's EAGLE-1, which vLLM does not serve), 'sglang' what SGLang serves.
+        ``export_kwargs`` go to the exporter (``num_speculative_tokens``, ``full_vocab_head``, ``dtype``, ...)."""
+        if layout not in EXPORT_LAYOUTS:
+            raise ValueError(f"layout={layout!r}: choose one of {EXPORT_LAYOUTS} ('tlt' is save_pretrained).")
+        from .export import export_sglang, export_vllm
+        from .export_eagle3 import export_eagle3_sglang, export_eagle3_vllm
 
-        ``model_card``: keyword arguments of ``write_model_card`` (``policy_name`` defaults to the policy the drafter
-        was made for, ``repo_id`` to this repo). Returns the commit URL.
+        eagle3 = self.config.architecture == "Eagle3Drafter"
+        if layout == "sglang":
+            return (export_eagle3_sglang if eagle3 else export_sglang)(self, out_dir, verifier_name_or_path,
+                                                                       **export_kwargs)
+        if eagle3:
+            return export_eagle3_vllm(self, out_dir, verifier_name_or_path, **export_kwargs)
+        return export_vllm(self, out_dir, verifier_name_or_path, layout="vllm" if layout == "vllm" else "speculators",
+                           **export_kwargs)
+
+    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, model_card: dict | None = None, layout: str = "tlt",
+                    verifier_name_or_path: str | nn.Module | None = None, **export_kwargs) -> str:
+        """Upload the drafter with a README.md model card as a model repo; returns the commit URL.
+
+        ``layout``: 'tlt' (default: save_pretrained's folder, which every tlt-trainers trainer resumes from) or an
+        export layout of :meth:`export`: 'speculators' (EAGLE-3: what ``vllm serve POLICY --speculative-config
+        '{"model": "<repo_id>", "num_speculative_tokens": k}'`` serves straight from the Hub id), 'vllm', 'sglang'.
+        Every layout loads back with ``Drafter.from_pretrained(repo_id, target=policy)``.
+        ``verifier_name_or_path``: the policy's Hub id (exports name their verifier; default: the one the drafter was
+        made for). ``model_card``: keyword arguments of ``write_model_card`` (``policy_name`` defaults to the policy
+        the drafter was made for, ``repo_id`` to this repo).
         """
         from huggingface_hub import HfApi
 
+        from .model_card import write_model_card
+
+        if layout != "tlt" and layout not in EXPORT_LAYOUTS:
+            raise ValueError(f"layout={layout!r}: choose 'tlt' or one of {EXPORT_LAYOUTS}.")
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
+        card = {"repo_id": repo_id, **(model_card or {})}
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp, model_card={"repo_id": repo_id, **(model_card or {})})
+            if layout == "tlt":
+                self.save_pretrained(tmp, model_card=card)
+            else:
+                self.export(tmp, layout, verifier_name_or_path, **export_kwargs)
+                served = {"sglang": "sglang_model"}.get(layout, "vllm_model")
+                write_model_card(self, tmp, **({served: repo_id} | card))
             info = api.upload_folder(repo_id=repo_id, folder_path=tmp,
-                                     commit_message=commit_message or f"Upload {self.config.architecture}")
+                                     commit_message=commit_message or f"Upload {self.config.architecture} ({layout})")
         return str(info)

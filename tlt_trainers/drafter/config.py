@@ -24,7 +24,12 @@ class EagleDrafterConfig:
     draft_vocab_size: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # A scaled RoPE as transformers' ``rope_parameters`` / ``rope_scaling`` name it (``{"rope_type": "llama3",
+    # "factor": 8.0, ...}``); None: plain RoPE with ``rope_theta``. Public drafters for Llama-3.1 policies carry one.
+    rope_scaling: dict | None = None
     fc_bias: bool = False
+    # Biases on the q/k/v projections (Qwen2's attention; the TLT authors' EAGLE drafters for Qwen2.5 have them).
+    qkv_bias: bool = False
     input_layernorm: bool = False
     final_logit_softcapping: float | None = None
     logit_scale: float = 1.0
@@ -46,6 +51,13 @@ class EagleDrafterConfig:
             if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
                 raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: an Eagle3Drafter reads three distinct policy "
                                  "layers in increasing order (low, middle, high), as vLLM and SGLang do.")
+        if self.qkv_bias and self.architecture != "EagleDrafter":
+            raise ValueError("qkv_bias=True is an EAGLE-1 (Qwen2-style) option; EAGLE-3 drafters have no attention "
+                             "biases in any layout vLLM or SGLang loads.")
+        if self.rope_scaling is not None:
+            from .rope import check_rope_scaling
+
+            check_rope_scaling(self.rope_scaling)
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}] or None."

@@ -17,6 +17,7 @@ from ..modeling.kv_cache import RowKV
 from ..modeling.target import apply_logit_transform, compute_dtype, logit_transform, text_config
 from .base import Drafter
 from .config import EagleDrafterConfig
+from .rope import inverse_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -32,11 +33,14 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [B, 1, q, D] for integer positions [B, q]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+           scaling: dict | None = None):
+    """cos/sin [B, 1, q, D] for integer positions [B, q] (``scaling``: a scaled RoPE, see :mod:`.rope`)."""
+    inv_freq, factor = inverse_frequencies(head_dim, theta, scaling)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    if factor != 1.0:
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -52,11 +56,13 @@ class DrafterAttention(nn.Module):
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
         h = config.hidden_size
         x = input_size or h  # EAGLE-3 projects q, k, v from [embedding; feature] (2h)
-        self.q_proj = nn.Linear(x, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(x, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(x, self.kv_heads * self.head_dim, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(x, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(x, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(x, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
 
     def project(self, x, positions):
@@ -65,7 +71,7 @@ class DrafterAttention(nn.Module):
         query = self.q_proj(x).view(b, q, self.heads, self.head_dim).transpose(1, 2)
         key = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary(positions, self.head_dim, self.theta, x.dtype)
+        cos, sin = rotary(positions, self.head_dim, self.theta, x.dtype, self.rope_scaling)
         return rotate(query, cos, sin), rotate(key, cos, sin), value
 
     def attend(self, query, key, value, mask):

@@ -118,6 +118,11 @@ def _layer_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None
         return tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
 
     layer = {name: plain(tensor) for name, tensor in state.items() if name.startswith(_LAYER_PREFIXES)}
+    if "self_attn.q_proj.bias" in layer and "self_attn.o_proj.bias" not in layer:
+        # Llama layers with attention_bias=True (vLLM's, SGLang's, transformers') also bias o_proj: zeros compute
+        # what the drafter's Qwen2-style q/k/v-only biases compute.
+        o_proj = layer["self_attn.o_proj.weight"]
+        layer["self_attn.o_proj.bias"] = torch.zeros(o_proj.shape[0], dtype=o_proj.dtype)
     bias = state.get("fc.bias")
     return layer, None if bias is None else plain(bias)
 
@@ -214,11 +219,11 @@ def _llama_config(drafter: EagleDrafter, architectures: list[str], max_positions
         "rms_norm_eps": c.rms_norm_eps,
         # rope_theta/rope_scaling for readers on transformers 4.x, rope_parameters for transformers 5.
         "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_scaling": c.rope_scaling,
+        "rope_parameters": (c.rope_scaling or {"rope_type": "default"}) | {"rope_theta": c.rope_theta},
         "max_position_embeddings": max_positions,
         "vocab_size": c.vocab_size,
-        "attention_bias": False,
+        "attention_bias": bool(c.qkv_bias),
         "mlp_bias": False,
         # Never tie: SGLang would then slice its embedding along with a token-mapped head.
         "tie_word_embeddings": False,
@@ -407,6 +412,18 @@ def _rope_theta(config: dict) -> float:
     return float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
+def _rope_scaling(config: dict) -> dict | None:
+    """A scaled RoPE named by a Llama config (``rope_scaling``, or transformers 5's ``rope_parameters``); None for
+    plain RoPE."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or None
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+
+
 def _rebuild(path: Path, llama: dict, fc: dict, layer: dict, target: nn.Module, *, logit_scale: float,
              softcap: float | None, d2t: torch.Tensor | None) -> EagleDrafter:
     """An EagleDrafter bound to ``target`` from an export's Llama fields and tensors (inverse of the exporters)."""
@@ -418,6 +435,11 @@ def _rebuild(path: Path, llama: dict, fc: dict, layer: dict, target: nn.Module, 
             f"The export at {path} computes logits with soft-cap {softcap} and scale {logit_scale}, the policy with "
             f"{policy_softcap} and {policy_scale}: it was exported for another model."
         )
+    layer = dict(layer)
+    o_bias = layer.pop("self_attn.o_proj.bias", None)
+    if o_bias is not None and torch.count_nonzero(o_bias):
+        raise ValueError(f"The drafter at {path} has a non-zero o_proj bias; EagleDrafter biases q/k/v only "
+                         "(Qwen2-style attention). It cannot be loaded without changing what it computes.")
     heads = llama["num_attention_heads"]
     config = EagleDrafterConfig(
         hidden_size=llama["hidden_size"],
@@ -429,7 +451,9 @@ def _rebuild(path: Path, llama: dict, fc: dict, layer: dict, target: nn.Module, 
         draft_vocab_size=None if d2t is None else int(d2t.numel()),
         rms_norm_eps=llama.get("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(llama),
+        rope_scaling=_rope_scaling(llama),
         fc_bias="bias" in fc,
+        qkv_bias="self_attn.q_proj.bias" in layer,
         final_logit_softcapping=policy_softcap,
         logit_scale=policy_scale,
         target_model_type=getattr(text_config(target), "model_type", None),

@@ -82,20 +82,48 @@ def export_eagle3_vllm(
     name = _name_or_path(verifier_name_or_path) or c.target_name_or_path
     layer = _layer_config(drafter, ["LlamaForCausalLM"], verifier_name_or_path, max_position_embeddings, dtype)
     layer = {k: v for k, v in layer.items() if k not in ("architectures", "torch_dtype", "draft_vocab_size")}
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": "0.3.0",
-        "transformer_layer_config": layer,
-        "draft_vocab_size": drafter.draft_vocab_size,
-        "norm_before_residual": c.norm_before_residual,
-        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "speculators_config": speculators_config("eagle3", name, verifier_name_or_path, num_speculative_tokens),
-        "torch_dtype": _dtype_name(dtype),
-    }
+    config = speculators_eagle3_config(
+        layer, draft_vocab_size=drafter.draft_vocab_size, norm_before_residual=c.norm_before_residual,
+        aux_layer_ids=list(c.aux_layer_ids),
+        proposal=speculators_config("eagle3", name, verifier_name_or_path, num_speculative_tokens))
+    config["torch_dtype"] = _dtype_name(dtype)
     out = Path(out_dir)
     _write(out, config, eagle3_weights(drafter, dtype), "speculators eagle3")
     return out
+
+
+def speculators_eagle3_config(layer: dict, *, draft_vocab_size: int, norm_before_residual: bool,
+                              aux_layer_ids: list[int], proposal: dict) -> dict:
+    """config.json of the speculators EAGLE-3 layout (what vLLM reads for ``method="eagle3"``).
+
+    Built by the ``speculators`` library's own config classes where it is installed (``pip install
+    tlt-trainers[speculators]``): the library is the authority for its format. Without it, the same fields are
+    written directly (tests compare the two).
+    """
+    fields = {"draft_vocab_size": int(draft_vocab_size), "norm_before_residual": bool(norm_before_residual),
+              "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    try:
+        from speculators import SpeculatorsConfig, VerifierConfig
+        from speculators.models import Eagle3SpeculatorConfig
+        from speculators.proposals.greedy import GreedyTokenProposalConfig
+        from transformers import LlamaConfig
+    except ImportError:
+        return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                "speculators_version": "0.3.0", "transformer_layer_config": layer, **fields,
+                "speculators_config": proposal}
+    method = proposal["proposal_methods"][0]
+    library = Eagle3SpeculatorConfig(
+        transformer_layer_config=LlamaConfig(**{k: v for k, v in layer.items() if k not in ("rope_theta",
+                                                                                           "rope_scaling")}),
+        speculators_config=SpeculatorsConfig(
+            algorithm=proposal["algorithm"],
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=method["speculative_tokens"])],
+            default_proposal_method=proposal["default_proposal_method"],
+            verifier=VerifierConfig(**proposal["verifier"])),
+        **fields)
+    config = library.to_dict()
+    config.pop("auto_map", None)  # points at a config.py next to a save_pretrained folder; none is written here
+    return config
 
 
 def export_eagle3_sglang(
