@@ -35,8 +35,10 @@ def test_exports_name_what_each_engine_reads(tmp_path):
     tensors = load_file(out / "model.safetensors")
     assert torch.equal(tensors["d2t"] + torch.arange(16), torch.arange(10, 26))  # offsets, as vLLM adds them
     assert tensors["t2d"].sum() == 16 and tensors["t2d"][10:26].all()
-    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 32 and tensors["fc.weight"].shape == (32, 96)
-    assert "embed_tokens.weight" not in tensors and tensors["lm_head.weight"].shape == (16, 32)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * 32 and tensors["fc.weight"].shape == (32, 96)
+    assert tensors["lm_head.weight"].shape == (16, 32)
+    # The policy's embedding travels as the speculators library writes and reads it (vLLM shares it when equal).
+    assert torch.equal(tensors["embed_tokens.weight"], policy.get_input_embeddings().weight)
     full = Eagle3Drafter.from_target(policy, aux_layer_ids=[1, 3, 5])  # no draft vocabulary: vLLM expects no map
     full_tensors = load_file(export_eagle3_vllm(full, tmp_path / "f", "tiny/policy") / "model.safetensors")
     assert "d2t" not in full_tensors and "t2d" not in full_tensors

@@ -7,7 +7,8 @@ vocabulary), take the embedding from the target, and store the draft-to-target m
 
 - vLLM (:func:`export_eagle3_vllm`): the ``speculators`` layout (``speculators_model_type="eagle3"``,
   ``transformer_layer_config``, ``speculators_config`` with the verifier and the number of speculative tokens,
-  ``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering, which is ours). Serve with
+  ``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering, which is ours; the layer as ``layers.0.*``, the only name
+  the speculators library's loader reads). Serve with
   ``LLM(policy, speculative_config={"model": out_dir, "num_speculative_tokens": k})`` (vLLM reads the method from
   the config) or ``{"method": "eagle3", ...}``.
 - SGLang (:func:`export_eagle3_sglang`): the EAGLE-3 reference layout, a Llama config with
@@ -36,15 +37,18 @@ from .export import (
 )
 
 
-def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The drafter's tensors by the names both engines read (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, and with
-    a draft vocabulary ``d2t`` as offsets and ``t2d``), on CPU in ``dtype`` (default: the drafter's)."""
+def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
+                   layer_prefix: str = "midlayer.") -> dict[str, torch.Tensor]:
+    """The drafter's tensors by the names the engines read (``fc``, the layer under ``layer_prefix``, ``norm``,
+    ``lm_head``, and with a draft vocabulary ``d2t`` as offsets and ``t2d``), on CPU in ``dtype`` (default: the
+    drafter's). ``layer_prefix``: ``"midlayer."`` (the EAGLE authors' and SGLang's name, which skips any other
+    silently; vLLM reads both) or ``"layers.0."`` (the speculators library's, whose loader reads only that)."""
     if _embed_scale(drafter.target.embed) is not None:
         raise ValueError("The policy scales its embedding (Gemma): vLLM and SGLang hand an EAGLE-3 drafter the "
                          "unscaled embedding and run EAGLE-3 for Llama and Qwen3 policies only. Serve this drafter "
                          "with tlt_trainers' own engine.")
     dtype = dtype or drafter.fc.weight.dtype
-    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
+    tensors = {name.replace("midlayer.", layer_prefix, 1): t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in drafter.state_dict().items() if name != "d2t"}
     if drafter.d2t is None:  # the full vocabulary: the engines expect no map (vLLM has no parameter for one)
         return tensors
@@ -88,7 +92,11 @@ def export_eagle3_vllm(
         proposal=speculators_config("eagle3", name, verifier_name_or_path, num_speculative_tokens))
     config["torch_dtype"] = _dtype_name(dtype)
     out = Path(out_dir)
-    _write(out, config, eagle3_weights(drafter, dtype), "speculators eagle3")
+    tensors = eagle3_weights(drafter, dtype, layer_prefix="layers.0.")
+    # The speculators library saves the verifier's embedding with the drafter, and its loader (0.9) reads it from
+    # the checkpoint: without it the embedding stays uninitialised there. vLLM shares it with the target when equal.
+    tensors["embed_tokens.weight"] = drafter.target.embed.weight.detach().to(device="cpu", dtype=dtype).contiguous()
+    _write(out, config, tensors, "speculators eagle3")
     return out
 
 
