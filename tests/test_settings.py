@@ -30,7 +30,8 @@ ENGINE_VALUES = dict(
     show_progress=True,
 )
 DRAFTER_VALUES = dict(
-    drafter_name_or_path="some/drafter", drafter_architecture="eagle", draft_vocab_size=0, drafter_lr=1e-4,
+    drafter_name_or_path="some/drafter", drafter_architecture="eagle", draft_vocab_size=0,
+    drafter_rebuild_draft_vocab=True, drafter_lr=1e-4,
     drafter_unroll_steps=3,
     drafter_micro_batch_size=4, drafter_precision="float32", drafter_attention="padded", drafter_update_fraction=0.2,
     drafter_update_seconds=10.0,

@@ -58,6 +58,13 @@ class DrafterSettings:
                   "rollouts: a smaller output layer drafts faster and is learnt sooner. None: 4096 when the "
                   "policy's vocabulary exceeds 8192 tokens, else the full vocabulary; 0: the full vocabulary."},
     )
+    drafter_rebuild_draft_vocab: bool = field(
+        default=False,
+        metadata={"help": "Re-pick a loaded drafter's draft vocabulary from the most frequent tokens of the first "
+                  "rollouts, as for a fresh drafter (head rows of tokens it keeps stay trained). False: a drafter "
+                  "loaded from drafter_name_or_path (ours, or a public EAGLE / EAGLE-3 / speculators checkpoint) "
+                  "keeps the vocabulary it was published with."},
+    )
     drafter_lr: float = field(
         default=3e-4, metadata={"help": "AdamW learning rate of the drafter's training during RL."}
     )

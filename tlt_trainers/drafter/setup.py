@@ -81,7 +81,8 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
     'tlt' or 'vllm': see :func:`drafter_class`), seeded with ``seed`` so that every rank and replica starts from the
     same one (without touching the caller's RNG stream). A fresh drafter with a reduced vocabulary is not ready: its
     vocabulary is picked from the most frequent tokens of the first rollouts
-    (``DrafterTrainer.rebuild_draft_vocab``). ``settings`` has TLTGRPOConfig's drafter fields (``drafter_lr``,
+    (``DrafterTrainer.rebuild_draft_vocab``), and so is a loaded one when ``settings.drafter_rebuild_draft_vocab``.
+    ``settings`` has TLTGRPOConfig's drafter fields (``drafter_lr``,
     ``drafter_micro_batch_size``, ...); the trainer's data order is seeded with ``seed + rank``.
     """
     head = policy.get_output_embeddings().weight
@@ -109,4 +110,5 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
                              unroll_steps=settings.drafter_unroll_steps, buffer_bytes=settings.drafter_buffer_bytes,
                              precision=settings.drafter_precision, attention=settings.drafter_attention,
                              seed=seed + rank)
-    return drafter, trainer, not (fresh and drafter.config.uses_draft_vocab)
+    rebuild = fresh or (source is not None and getattr(settings, "drafter_rebuild_draft_vocab", False))
+    return drafter, trainer, not (rebuild and drafter.config.uses_draft_vocab)
