@@ -158,6 +158,36 @@ def test_warmup_and_drafter_from_a_folder(tmp_path):
     assert all(torch.equal(final[k], v) for k, v in loaded.drafter.state_dict().items())
 
 
+@pytest.mark.parametrize("rebuild", [False, True], ids=["keep-vocabulary", "rebuild-vocabulary"])
+def test_starts_from_a_speculators_folder_trains_it_and_saves_one_that_loads_back(tmp_path, rebuild):
+    from tiny_models import tiny_model
+
+    from tlt_trainers import Drafter, Eagle3Drafter
+    from tlt_trainers.drafter.export_eagle3 import export_eagle3_vllm
+
+    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=6)
+    torch.manual_seed(3)
+    published = Eagle3Drafter.from_target(model, aux_layer_ids=[1, 3, 5], draft_vocab_size=32)
+    published.set_draft_vocab(torch.arange(20, 52))
+    folder = export_eagle3_vllm(published, tmp_path / "speculators", "tiny/policy")  # what vLLM serves
+    args = TLTGRPOConfig(**grpo_kwargs(tmp_path / "out", max_steps=2), drafter_name_or_path=str(folder),
+                         drafter_update_fraction=1e3, drafter_rebuild_draft_vocab=rebuild)
+    recorder = Recorder()
+    trainer = TLTGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
+                             processing_class=char_tokenizer(), callbacks=[recorder])
+    start = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    assert isinstance(trainer.drafter, Eagle3Drafter)
+    assert all(torch.equal(start[k], v) for k, v in published.state_dict().items())  # the published drafter
+    trainer.train()
+    assert [log["tlt/drafter_steps"] for log in recorder.logs if "tlt/drafter_steps" in log][0] >= 1
+    trained = trainer.drafter.state_dict()
+    assert not torch.equal(trained["fc.weight"], start["fc.weight"])  # trained online
+    assert torch.equal(trained["d2t"], start["d2t"]) != rebuild  # its vocabulary is kept unless asked
+    trainer.save_model()
+    loaded = Drafter.from_pretrained(tmp_path / "out" / "drafter", target=model)
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+
+
 def test_tool_loop_gets_one_drafter_update_per_rollout(tmp_path, monkeypatch):
     """TRL's tool loop calls _generate_single_turn a data-dependent number of times: the update (with its
     collectives) must come once per rollout, after the loop."""
