@@ -174,6 +174,7 @@ def new_drafter(cls, model: nn.Module, extra: dict, overrides: dict):
         vocab_size=model.get_output_embeddings().weight.shape[0],
         rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        qkv_bias=False,
         final_logit_softcapping=softcap,
         logit_scale=scale,
         target_model_type=getattr(config, "model_type", None),
