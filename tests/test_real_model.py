@@ -172,3 +172,47 @@ def test_reproduction_script_runs_end_to_end(tmp_path):
     assert all(len(run["steps"]) == 2 for run in result["runs"].values())
     assert all(s["rollout_seconds"] > 0 and "reward" in s for run in result["runs"].values() for s in run["steps"])
     assert result["step_time_ratio"] > 0 and (out / "reproduce.png").stat().st_size > 10_000
+
+
+def test_grpo_starts_from_the_shipped_drafter_published_in_the_eagle_authors_layout(tmp_path, smollm2):
+    """TLTGRPOTrainer(drafter_name_or_path=<a folder in the EAGLE authors' EAGLE-3 layout>) on the real policy and
+    reasoning-gym prompts: the converted drafter drafts from the first step (acceptance well above a fresh
+    drafter's 1.0), trains online, and is saved as a drafter that loads back."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from public_layouts import write_eagle_authors_eagle3
+    from transformers import TrainerCallback
+
+    from tlt_trainers import Drafter, TLTGRPOConfig, TLTGRPOTrainer
+    from tlt_trainers.pretrained import smollm2_hf_dir
+    from tlt_trainers.shipped import shipped_drafter_for
+    from tlt_trainers.warmup import reasoning_gym_prompts
+
+    model, tok = smollm2
+    shipped = Drafter.from_pretrained(shipped_drafter_for(model), target=model)
+    public = write_eagle_authors_eagle3(shipped, model, tmp_path / "public")
+    seen = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "tlt/acceptance_length" in logs:
+                seen.append(dict(logs))
+
+    args = TLTGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8,
+                         num_generations=4, max_completion_length=64, learning_rate=1e-6, logging_steps=1,
+                         report_to=[], use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True,
+                         drafter_name_or_path=str(public), speculation="always")
+    prompts = reasoning_gym_prompts(tok, 8, task="gsm_symbolic", seed=0)
+    trainer = TLTGRPOTrainer(model=str(smollm2_hf_dir()), reward_funcs=lambda completions, **kw: [
+        float(len(c) < 200) for c in completions], args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok, callbacks=[Logs()])
+    assert torch.equal(trainer.drafter.d2t, shipped.d2t)  # the published draft vocabulary is kept
+    trainer.train()
+    for log in seen:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in log.items()
+                          if k.startswith("tlt/") or k in ("loss", "reward", "step_time")}))
+    assert len(seen) == 2 and seen[0]["tlt/acceptance_length"] > 1.2, seen
+    assert sum(log["tlt/drafter_steps"] for log in seen) >= 1
+    trainer.save_model()
+    loaded = Drafter.from_pretrained(tmp_path / "out" / "drafter", target=trainer.model)
+    assert all(torch.equal(v, trainer.drafter.state_dict()[k]) for k, v in loaded.state_dict().items())
