@@ -391,3 +391,52 @@ def test_push_to_hub_in_the_speculators_layout_uploads_what_vllm_loads(local_hub
     config = json.loads((uploaded / "config.json").read_text())
     assert vllm_configs.SpeculatorsConfig.extract_vllm_speculative_config(config) == {
         "method": "eagle3", "num_speculative_tokens": 3}
+
+
+# ------------------------------------------------------------------------------------------------ file details
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+], ids=lambda s: s["rope_type"])
+def test_a_scaled_rope_rotates_as_transformers_does(scaling):
+    """Public drafters for Llama-3.1 policies carry the policy's scaled RoPE; the drafter rotates as transformers'
+    own Llama layer does for that config (which vLLM and SGLang follow)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from tlt_trainers.drafter.eagle import rotary
+
+    original = scaling.get("original_max_position_embeddings", 2048)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                         max_position_embeddings=int(original * scaling["factor"]),
+                         rope_parameters={**scaling, "rope_theta": 500000.0})
+    positions = torch.tensor([[0, 5, 1000, 30000]])
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, 4, 64), positions)
+    ours_cos, ours_sin = rotary(positions, 16, 500000.0, torch.float32, scaling)
+    torch.testing.assert_close(ours_cos[:, 0], cos, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours_sin[:, 0], sin, atol=1e-6, rtol=1e-5)
+
+
+def test_scaled_rope_travels_through_load_and_export(tmp_path, policy, speculators_model):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    folder = write_eagle3(speculators_model[0], tmp_path / "authors", "eagle-authors")
+    _edit(folder, rope_theta=500000.0, rope_scaling=scaling)
+    drafter = Drafter.from_pretrained(folder, target=policy)
+    assert drafter.config.rope_theta == 500000.0 and drafter.config.rope_scaling == scaling
+    again = Drafter.from_pretrained(export_eagle3_vllm(drafter, tmp_path / "vllm", policy), target=policy)
+    assert again.config.rope_scaling == scaling
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        _edit(folder, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+        Drafter.from_pretrained(folder, target=policy)
+
+
+def test_pytorch_model_bin_is_read_without_running_pickled_code(tmp_path, policy):
+    folder, _ = write_eagle1(policy, tmp_path / "e1", "eagle-authors")
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    state["extra"] = Path("not-a-tensor")  # a pickled object of another class: weights_only refuses it
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(Exception, match="Weights only load failed|weights_only"):
+        Drafter.from_pretrained(folder, target=policy)

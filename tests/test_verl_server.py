@@ -54,8 +54,8 @@ def reference(model_dir):
 
 
 def make_server(path, speculation: str = "never", response_length: int = RESPONSE_LENGTH,
-                prompt_length: int | None = None) -> TLTRolloutServer:
-    settings = {"speculation": speculation, "device": "cpu", "batch_wait_ms": 5.0}
+                prompt_length: int | None = None, **extra) -> TLTRolloutServer:
+    settings = {"speculation": speculation, "device": "cpu", "batch_wait_ms": 5.0, **extra}
     if speculation != "never":
         settings["num_speculative_tokens"] = 3
     return TLTRolloutServer(str(path), settings, response_length=response_length, prompt_length=prompt_length)
@@ -288,3 +288,24 @@ def test_min_p_is_sampled_and_in_the_logprobs(model_dir, reference):
         top = [torch.log_softmax(reference(input_ids=torch.tensor([prompt + output.token_ids[:t]])).logits[0, -1]
                                  .float(), -1).max().item() for t in range(len(output.token_ids))]
         assert all(lp >= math.log(0.3) + best - 1e-5 for lp, best in zip(raw, top, strict=True)), f"row {row}"
+
+
+# ----------------------------------------------------------------------------- warm start from a public drafter
+def test_starts_from_a_public_layout_drafter_and_stays_exact(model_dir, reference, tmp_path):
+    """tlt.drafter_name_or_path = an EAGLE-1 drafter in the TLT authors' FastRL layout (model.-prefixed, Qwen2-style
+    q/k/v biases): the server's drafter is that one, and its speculative greedy outputs are transformers'."""
+    from public_layouts import write_fastrl_eagle
+
+    from tlt_trainers import EagleDrafter
+
+    torch.manual_seed(4)
+    published = EagleDrafter.from_target(reference, qkv_bias=True)
+    folder = write_fastrl_eagle(published, reference, tmp_path / "fastrl")
+    server = make_server(model_dir, speculation="always", drafter_name_or_path=str(folder))
+    assert isinstance(server.drafter, EagleDrafter) and server.drafter.config.qkv_bias
+    state = server.drafter.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in published.state_dict().items())
+    prompts = random_prompts(4, 5, seed=9)
+    outputs = serve(server, [(prompt, GREEDY) for prompt in prompts])
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == greedy_generate(reference, prompt, RESPONSE_LENGTH, eos=EOS)
