@@ -291,8 +291,9 @@ class Drafter(nn.Module, ABC):
         """Upload the drafter with a README.md model card as a model repo; returns the commit URL.
 
         ``layout``: 'tlt' (default: save_pretrained's folder, which every tlt-trainers trainer resumes from) or an
-        export layout of :meth:`export`: 'speculators' (EAGLE-3: what ``vllm serve POLICY --speculative-config
-        '{"model": "<repo_id>", "num_speculative_tokens": k}'`` serves straight from the Hub id), 'vllm', 'sglang'.
+        export layout of :meth:`export`: 'speculators' (EAGLE-3: ``vllm serve <repo_id>`` serves the verifier the
+        config names with this drafter, straight from the Hub id; or ``--speculative-config '{"method": "eagle3",
+        "model": "<repo_id>", ...}'``), 'vllm', 'sglang'.
         Every layout loads back with ``Drafter.from_pretrained(repo_id, target=policy)``.
         ``verifier_name_or_path``: the policy's Hub id (exports name their verifier; default: the one the drafter was
         made for). ``model_card``: keyword arguments of ``write_model_card`` (``policy_name`` defaults to the policy

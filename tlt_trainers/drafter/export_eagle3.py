@@ -9,8 +9,8 @@ vocabulary), take the embedding from the target, and store the draft-to-target m
   ``transformer_layer_config``, ``speculators_config`` with the verifier and the number of speculative tokens,
   ``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering, which is ours; the layer as ``layers.0.*``, the only name
   the speculators library's loader reads). Serve with
-  ``LLM(policy, speculative_config={"model": out_dir, "num_speculative_tokens": k})`` (vLLM reads the method from
-  the config) or ``{"method": "eagle3", ...}``.
+  ``LLM(policy, speculative_config={"method": "eagle3", "model": out_dir, "num_speculative_tokens": k})`` or
+  ``LLM(out_dir)`` (vLLM then serves the verifier the config names with the drafter).
 - SGLang (:func:`export_eagle3_sglang`): the EAGLE-3 reference layout, a Llama config with
   ``architectures=["LlamaForCausalLMEagle3"]`` and ``draft_vocab_size``. SGLang numbers aux layers by the layer whose
   output is taken (it captures ``id + 1``), so ``eagle_config.eagle_aux_hidden_state_layer_ids`` holds ours minus
