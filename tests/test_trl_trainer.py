@@ -159,7 +159,7 @@ def test_warmup_and_drafter_from_a_folder(tmp_path):
 
 
 @pytest.mark.parametrize("rebuild", [False, True], ids=["keep-vocabulary", "rebuild-vocabulary"])
-def test_starts_from_a_speculators_folder_trains_it_and_saves_one_that_loads_back(tmp_path, rebuild):
+def test_starts_from_a_speculators_folder_trains_it_and_saves_one_that_loads_back(tmp_path, rebuild, monkeypatch):
     from tiny_models import tiny_model
 
     from tlt_trainers import Drafter, Eagle3Drafter
@@ -183,8 +183,23 @@ def test_starts_from_a_speculators_folder_trains_it_and_saves_one_that_loads_bac
     trained = trainer.drafter.state_dict()
     assert not torch.equal(trained["fc.weight"], start["fc.weight"])  # trained online
     assert torch.equal(trained["d2t"], start["d2t"]) != rebuild  # its vocabulary is kept unless asked
-    trainer.save_model()
-    loaded = Drafter.from_pretrained(tmp_path / "out" / "drafter", target=model)
+    # trainer.push_to_hub() carries the drafter, with its card. Only the Hub's network is mocked: the upload is
+    # copied to a local folder.
+    import shutil
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kw: SimpleNamespace(repo_id=f"someone/{repo_id}"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, *, repo_id, folder_path, **kw: (
+        shutil.copytree(folder_path, hub / repo_id, ignore=shutil.ignore_patterns("_*", "checkpoint-*"))))
+    trainer.push_to_hub()
+    pushed = hub / "someone" / "out" / "drafter"
+    assert {"README.md", "config.json", "model.safetensors"} <= {p.name for p in pushed.iterdir()}
+    assert "Drafter.from_pretrained" in (pushed / "README.md").read_text()
+    loaded = Drafter.from_pretrained(pushed, target=model)
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
 
 

@@ -502,10 +502,11 @@ class DrafterTrainer:
         return self.train(max_steps=max_steps, max_seconds=max_seconds, should_stop=should_stop)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Drafter (weights + draft vocabulary), optimizer and step: everything needed to resume exactly."""
+    def save_checkpoint(self, directory: str | Path, model_card: dict | None = None) -> None:
+        """Drafter (weights + draft vocabulary), optimizer and step: everything needed to resume exactly.
+        ``model_card``: keyword arguments of ``write_model_card`` for a README.md next to the drafter."""
         path = Path(directory)
-        self.drafter.save_pretrained(path)
+        self.drafter.save_pretrained(path, model_card=model_card)
         torch.save(self.optimizer.state_dict(), path / OPTIMIZER_STATE)
         state = {"format": 1, "step": self.step, "lr": self.lr, "unroll_steps": self.unroll_steps,
                  "drafter_config": self.drafter.config.to_dict()}

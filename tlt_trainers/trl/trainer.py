@@ -614,7 +614,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         super()._save(output_dir, state_dict=state_dict)
         if self.drafter_trainer is not None:
             directory = Path(output_dir if output_dir is not None else self.args.output_dir) / DRAFTER_DIR
-            self.drafter_trainer.save_checkpoint(directory)
+            # The card makes the drafter folder of a pushed run (trainer.push_to_hub uploads output_dir) say what it
+            # is and how to load it: Drafter.from_pretrained(<download>/drafter, target=policy).
+            card = {"policy_name": self.args.hub_model_id or self.drafter.config.target_name_or_path,
+                    "training": {"GRPO steps": self.state.global_step, "drafter steps": self.drafter_trainer.step}}
+            self.drafter_trainer.save_checkpoint(directory, model_card=card)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         source = Path(checkpoint_folder) / DRAFTER_DIR
