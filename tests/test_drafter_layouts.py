@@ -348,6 +348,13 @@ def test_what_our_drafters_do_not_compute_is_refused_with_the_reason(tmp_path, p
             Drafter.from_pretrained(copy, target=policy)
     with pytest.raises(ValueError, match="pass target=policy"):
         Drafter.from_pretrained(folder)
+    deeper = tmp_path / "two-layers"
+    shutil.copytree(folder, deeper)
+    tensors = read_weights(deeper)
+    tensors |= {k.replace("layers.0.", "layers.1."): v.clone() for k, v in tensors.items() if k.startswith("layers.0.")}
+    save_file(tensors, str(deeper / "model.safetensors"))
+    with pytest.raises(ValueError, match="has 2 decoder layers"):
+        Drafter.from_pretrained(deeper, target=policy)
 
 
 # ------------------------------------------------------------------------------------------------ the Hub

@@ -169,8 +169,15 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
     if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
         raise ValueError(f"The drafter at {path} reads only the policy's last layer (eagle_config.use_aux_hidden_state="
                          "false); tlt-trainers' EAGLE-3 reads three layers.")
+    tensors = _strip_prefix(tensors)
+    deeper = sorted({name.split(".")[1] for name in tensors if name.startswith("layers.") and
+                     not name.startswith("layers.0.")})
+    if deeper:
+        raise ValueError(f"The EAGLE-3 drafter at {path} has {len(deeper) + 1} decoder layers (layers.{deeper[0]}.* "
+                         "and on); tlt-trainers' Eagle3Drafter has one, as the EAGLE authors', vLLM's and SGLang's "
+                         "default drafters do.")
     tensors = {name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name: t
-               for name, t in _strip_prefix(tensors).items()}
+               for name, t in tensors.items()}
     hidden = int(layer["hidden_size"])
     target_hidden = config.get("target_hidden_size") or layer.get("target_hidden_size")
     if target_hidden and int(target_hidden) != hidden:
