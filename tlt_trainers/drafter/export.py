@@ -421,7 +421,12 @@ def _rope_scaling(config: dict) -> dict | None:
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return None
-    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+    if kind == "yarn" and not scaling.get("original_max_position_embeddings") and config.get(
+            "max_position_embeddings"):
+        # vLLM and transformers scale yarn from the config's own context length when the scaling does not say it.
+        scaling["original_max_position_embeddings"] = int(config["max_position_embeddings"])
+    return scaling
 
 
 def _rebuild(path: Path, llama: dict, fc: dict, layer: dict, target: nn.Module, *, logit_scale: float,

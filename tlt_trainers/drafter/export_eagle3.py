@@ -131,6 +131,8 @@ def speculators_eagle3_config(layer: dict, *, draft_vocab_size: int, norm_before
         **fields)
     config = library.to_dict()
     config.pop("auto_map", None)  # points at a config.py next to a save_pretrained folder; none is written here
+    # The library writes transformers 5's rope_parameters only; readers on transformers 4.x read these two.
+    config["transformer_layer_config"] |= {k: layer[k] for k in ("rope_theta", "rope_scaling") if k in layer}
     return config
 
 

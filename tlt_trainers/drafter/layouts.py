@@ -35,7 +35,7 @@ from ..modeling.target import compute_dtype, logit_transform, text_config
 from .base import Drafter
 from .config import ARCHITECTURES, CONFIG_NAME, EagleDrafterConfig
 from .eagle3 import Eagle3Drafter
-from .export import _rebuild, _rope_scaling, _rope_theta, _split
+from .export import SGLANG_TOKEN_MAP, _rebuild, _rope_scaling, _rope_theta, _split
 
 logger = logging.getLogger(__name__)
 
@@ -118,21 +118,51 @@ def detect_layout(config: dict, tensors: dict[str, torch.Tensor] | None = None) 
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def _equal_to_policy(name: str, tensor: torch.Tensor, policy_weight: torch.Tensor, path: Path) -> None:
+def _equal_to_policy(name: str, tensor: torch.Tensor, policy: nn.Module, path: Path) -> None:
     """Refuse an embedding or head of the checkpoint's own that is not the policy's (up to the coarser dtype's
-    rounding): the drafters here share the policy's."""
-    theirs = policy_weight.detach().to(device="cpu", dtype=torch.float32)
-    if tuple(tensor.shape) != tuple(theirs.shape):
+    rounding): the drafters here share the policy's. A policy whose weights arrive later (veRL's drafter worker
+    holds a shell until the first weight sync) runs the check then, through its ``defer_weight_check``."""
+    module = policy.get_input_embeddings() if name == "embed_tokens" else policy.get_output_embeddings()
+    if tuple(tensor.shape) != tuple(module.weight.shape):
         raise ValueError(f"The drafter at {path} has {name} of shape {tuple(tensor.shape)}, the policy's is "
-                         f"{tuple(theirs.shape)}: it was made for another model (vocabulary or hidden size differs).")
-    coarser = max((tensor.dtype, policy_weight.dtype), key=lambda d: torch.finfo(d).eps)
+                         f"{tuple(module.weight.shape)}: it was made for another model (vocabulary or hidden size "
+                         "differs).")
+    defer = getattr(policy, "defer_weight_check", None)
+    if defer is not None:
+        defer(lambda: _compare(name, tensor, module.weight, path))
+        return
+    _compare(name, tensor, module.weight, path)
+
+
+def _compare(name: str, tensor: torch.Tensor, weight: torch.Tensor, path: Path, rows: int = 8192) -> None:
+    if not (tensor.is_floating_point() and weight.is_floating_point()):
+        raise ValueError(f"The drafter at {path} or its policy holds a non-floating {name} ({tensor.dtype}, "
+                         f"{weight.dtype}); a quantised policy cannot be checked against a drafter's copy.")
+    coarser = max((tensor.dtype, weight.dtype), key=lambda d: torch.finfo(d).eps)
     eps = torch.finfo(coarser).eps
-    difference = (tensor.to(torch.float32) - theirs).abs()
-    if bool((difference > eps * (theirs.abs() + theirs.abs().max() * eps)).any()):
+    scale = weight.detach().abs().max().item() * eps
+    worst = 0.0
+    for start in range(0, weight.shape[0], rows):  # row chunks: a 128k x 4096 table never doubles in float32
+        theirs = weight.detach()[start:start + rows].to(torch.float32)
+        mine = tensor[start:start + rows].to(device=theirs.device, dtype=torch.float32)
+        if torch.equal(mine, theirs):
+            continue
+        difference = (mine - theirs).abs()
+        if bool((difference > eps * (theirs.abs() + scale)).any()):
+            worst = max(worst, difference.max().item())
+    if worst:
         raise ValueError(
-            f"The drafter at {path} carries its own {name}, which differs from the policy's (by up to "
-            f"{difference.max().item():.3g}): tlt-trainers' drafters share the policy's {name}, so this one would "
-            "compute something else. Load it with the policy it was trained for, or start from a fresh drafter.")
+            f"The drafter at {path} carries its own {name}, which differs from the policy's (by up to {worst:.3g}): "
+            f"tlt-trainers' drafters share the policy's {name}, so this one would compute something else. Load it "
+            "with the policy it was trained for, or start from a fresh drafter.")
+
+
+def _field(config: dict, name: str, path: Path, where: str = "config.json"):
+    try:
+        return config[name]
+    except KeyError:
+        raise ValueError(f"The drafter at {path} has no {name!r} in {where}; it is not a complete checkpoint of the "
+                         "layout it looks like.") from None
 
 
 def _check_verifier(config: dict, policy: nn.Module, path: Path) -> None:
@@ -160,7 +190,7 @@ _EAGLE3_FLAGS = ("norm_before_fc", "fc_norm")
 def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: nn.Module,
             layout: str) -> Eagle3Drafter:
     speculators = layout == "speculators-eagle3"
-    layer = config["transformer_layer_config"] if speculators else config
+    layer = _field(config, "transformer_layer_config", path) if speculators else config
     flags = [f for f in _EAGLE3_FLAGS + (("norm_output",) if speculators else ()) if config.get(f)]
     if flags:
         raise ValueError(f"The EAGLE-3 drafter at {path} sets {flags}: extra norms around fc or the output that "
@@ -178,14 +208,14 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
                          "default drafters do.")
     tensors = {name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name: t
                for name, t in tensors.items()}
-    hidden = int(layer["hidden_size"])
+    hidden = int(_field(layer, "hidden_size", path))
     target_hidden = config.get("target_hidden_size") or layer.get("target_hidden_size")
     if target_hidden and int(target_hidden) != hidden:
         raise ValueError(f"The drafter at {path} has hidden size {hidden} and reads a policy of hidden size "
                          f"{target_hidden} (target_hidden_size): tlt-trainers' drafters work at the policy's width.")
     embed = tensors.pop("embed_tokens.weight", None)
     if embed is not None:
-        _equal_to_policy("embed_tokens", embed, policy.get_input_embeddings().weight, path)
+        _equal_to_policy("embed_tokens", embed, policy, path)
     bias = tensors.pop("fc.bias", None)
     if bias is not None and torch.count_nonzero(bias):
         raise ValueError(f"The drafter at {path} has a non-zero fc bias; EAGLE-3's fc has none in vLLM, SGLang and "
@@ -204,6 +234,12 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
         raise ValueError(f"The drafter at {path} drafts for a vocabulary of {vocab} tokens (t2d / vocab_size), the "
                          f"policy has {policy_vocab}: it was made for another model.")
     target_ids = None
+    if draft_vocab == vocab and offsets is not None and bool(offsets.any()):
+        # A full-vocabulary head in another order: put each row at its token.
+        order = torch.arange(vocab) + offsets.to(torch.long)
+        if not torch.equal(order.sort().values, torch.arange(vocab)):
+            raise ValueError(f"The d2t map at {path} is not a permutation of the {vocab} tokens.")
+        tensors["lm_head.weight"] = head[torch.argsort(order)]
     if draft_vocab < vocab:
         if offsets is None:
             raise ValueError(f"The drafter at {path} drafts over {draft_vocab} of {vocab} tokens but has no d2t map.")
@@ -211,7 +247,8 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
         if target_ids.min() < 0 or target_ids.max() >= vocab or target_ids.unique().numel() != draft_vocab:
             raise ValueError(f"The d2t map at {path} does not map the draft vocabulary to distinct tokens of the "
                              f"policy's {vocab}.")
-        if mask is not None and not bool(mask.to(torch.bool)[target_ids].all()):
+        if mask is not None and (not bool(mask.to(torch.bool)[target_ids].all())
+                                 or int(mask.to(torch.bool).sum()) != draft_vocab):
             raise ValueError(f"The d2t and t2d maps at {path} disagree (a drafted token t2d does not mark).")
         order = torch.argsort(target_ids)  # our d2t holds sorted target ids
         target_ids, tensors["lm_head.weight"] = target_ids[order], head[order]
@@ -235,13 +272,13 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
                          "model.")
     if speculators:
         _check_verifier(config, policy, path)
-    heads = int(layer["num_attention_heads"])
+    heads = int(_field(layer, "num_attention_heads", path))
     softcap, scale = logit_transform(text_config(policy))
     drafter_config = EagleDrafterConfig(
         hidden_size=hidden, num_attention_heads=heads,
         num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
         head_dim=int(layer.get("head_dim") or hidden // heads),
-        intermediate_size=int(layer["intermediate_size"]), vocab_size=vocab,
+        intermediate_size=int(_field(layer, "intermediate_size", path)), vocab_size=vocab,
         draft_vocab_size=draft_vocab if draft_vocab < vocab else None,
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(layer),
         rope_scaling=_rope_scaling(layer), final_logit_softcapping=softcap, logit_scale=scale,
@@ -262,7 +299,10 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
 
 # ------------------------------------------------------------------------------------------------ EAGLE-1
 def _eagle(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: nn.Module, layout: str) -> Drafter:
-    softcap, scale = logit_transform(text_config(policy))
+    softcap, scale = logit_transform(text_config(policy))  # what the policy's head applies, unless the config says
+    softcap = config.get("final_logit_softcapping", softcap)
+    scale = float(config.get("logit_scale", scale))
+    d2t = None
     if layout == "speculators-eagle":
         if config.get("layernorms"):
             raise ValueError(f"The speculators EAGLE-1 drafter at {path} has layernorms=true (HASS: norms on the "
@@ -270,16 +310,21 @@ def _eagle(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: n
                              "EagleDrafter does not compute.")
         _check_verifier(config, policy, path)
         fc, layer = _split(tensors, "fusion_fc.", "transformer.", path)
-        llama = config["transformer_layer_config"]
+        llama = _field(config, "transformer_layer_config", path)
     else:
         tensors = _strip_prefix(tensors)
         embed = tensors.pop("embed_tokens.weight", None)
         if embed is not None:
-            _equal_to_policy("embed_tokens", embed, policy.get_input_embeddings().weight, path)
+            _equal_to_policy("embed_tokens", embed, policy, path)
         head = tensors.pop("lm_head.weight", None)
         if head is not None:
-            _equal_to_policy("lm_head", head, policy.get_output_embeddings().weight, path)
+            _equal_to_policy("lm_head", head, policy, path)
         fc, layer = _split(tensors, "fc.", "layers.0.", path)
+        if "bias" in fc and not torch.count_nonzero(fc["bias"]):
+            fc.pop("bias")  # zeros (SGLang's always-biased fc, as our SGLang export writes it) compute no bias
+        token_map = path / SGLANG_TOKEN_MAP
+        if token_map.is_file():  # SGLang's FR-Spec map (--speculative-token-map): the draft vocabulary
+            d2t = torch.as_tensor(torch.load(token_map, weights_only=True), dtype=torch.long)
         if "input_layernorm.weight" in layer:
             raise ValueError(f"The EAGLE-1 drafter at {path} has an input norm on its first layer; the EAGLE "
                              "authors, vLLM and SGLang replace it by the identity, so its weight would be ignored "
@@ -292,7 +337,7 @@ def _eagle(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: n
     if int(llama.get("hidden_size", 0)) != policy.get_input_embeddings().weight.shape[1]:
         raise ValueError(f"The drafter at {path} has hidden_size={llama.get('hidden_size')}, the policy "
                          f"{policy.get_input_embeddings().weight.shape[1]}: it was made for another model.")
-    return _rebuild(path, llama, fc, layer, policy, logit_scale=scale, softcap=softcap, d2t=None)
+    return _rebuild(path, llama, fc, layer, policy, logit_scale=scale, softcap=softcap, d2t=d2t)
 
 
 # ------------------------------------------------------------------------------------------------ entry point

@@ -30,7 +30,7 @@ from ..modeling.features import capture_features
 from ..modeling.target import TargetModel
 from .base import Drafter
 from .buffer import BufferedSequence, FeatureBuffer
-from .config import WEIGHTS_NAME
+from .config import WEIGHTS_NAME, EagleDrafterConfig
 from .losses import linear_cross_entropy_sum
 
 TRAINER_STATE = "trainer_state.json"
@@ -522,7 +522,8 @@ class DrafterTrainer:
             raise FileNotFoundError(f"No drafter trainer checkpoint at {path} ({TRAINER_STATE} is missing).") from err
         except json.JSONDecodeError as err:
             raise ValueError(f"{state_file} is corrupt ({err}); restore it or start from another checkpoint.") from err
-        saved, ours = state.get("drafter_config", {}), self.drafter.config.to_dict()
+        saved = EagleDrafterConfig.with_defaults(state.get("drafter_config", {}))
+        ours = EagleDrafterConfig.with_defaults(self.drafter.config.to_dict())
         keys = (set(saved) | set(ours)) - {"target_name_or_path"}
         differing = sorted(k for k in keys if saved.get(k) != ours.get(k))
         if differing:

@@ -71,6 +71,12 @@ class PolicyShell(nn.Module):
         self.model, self.tied = model, tied
         self.config = model.config
         self.seen: set[str] = set()
+        self._pending_checks: list = []
+
+    def defer_weight_check(self, check) -> None:
+        """Run ``check()`` once the policy's embedding and head have arrived with veRL's first weight sync (a
+        published drafter's copies of them are checked against the policy's; the shell holds zeros until then)."""
+        self._pending_checks.append(check)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -90,6 +96,10 @@ class PolicyShell(nn.Module):
                 self.load(role, tensor)
                 self.seen.add(role)
             yield name, tensor
+        if self._pending_checks and set(self.names.values()) <= self.seen:
+            checks, self._pending_checks = self._pending_checks, []
+            for check in checks:
+                check()
 
     @torch.no_grad()
     def load(self, role: str, tensor: torch.Tensor) -> None:
