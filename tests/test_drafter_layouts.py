@@ -369,15 +369,28 @@ def local_hub(tmp_path, monkeypatch):
         return f"https://huggingface.co/{repo_id}/commit/0123abc"
 
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(hub / repo_id))
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):  # copies what the patterns allow
+        import fnmatch
+
+        local = hub.parent / "downloads" / repo_id
+        for file in (hub / repo_id).iterdir():
+            if allow_patterns is None or any(fnmatch.fnmatch(file.name, p) for p in allow_patterns):
+                local.mkdir(parents=True, exist_ok=True)
+                shutil.copy(file, local / file.name)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     return hub
 
 
 def test_a_hub_id_in_another_layout_loads(local_hub, policy, speculators_model):
     model, chosen = speculators_model
-    write_eagle3(model, local_hub / "someone" / "eagle3-drafter", "eagle-authors")
+    repo = write_eagle3(model, local_hub / "someone" / "eagle3-drafter", "eagle-authors")
+    (repo / "optimizer_state.pt").write_bytes(b"0" * 1000)  # training states some repos hold are not downloaded
     drafter = Drafter.from_pretrained("someone/eagle3-drafter", target=policy)
     assert torch.equal(drafter.d2t, chosen)
+    downloaded = local_hub.parent / "downloads" / "someone" / "eagle3-drafter"
+    assert sorted(p.name for p in downloaded.iterdir()) == ["config.json", "pytorch_model.bin"]
 
 
 def test_push_to_hub_in_the_speculators_layout_uploads_what_vllm_loads(local_hub, policy, speculators_model):

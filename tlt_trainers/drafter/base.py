@@ -26,6 +26,9 @@ from ..modeling.target import compute_dtype
 from .config import WEIGHTS_NAME, EagleDrafterConfig
 
 EXPORT_LAYOUTS = ("speculators", "vllm", "sglang")
+# The files a drafter of any readable layout is loaded from (what from_pretrained downloads from the Hub).
+DRAFTER_FILES = ("config.json", "README.md", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                 "pytorch_model.bin.index.json", "hot_token_map.pt")
 
 
 class _TargetModules:
@@ -231,6 +234,8 @@ class Drafter(nn.Module, ABC):
                 )
             from huggingface_hub import snapshot_download
 
+            # Only what a drafter is read from: public drafter repos often also hold training states.
+            hub_kwargs.setdefault("allow_patterns", list(DRAFTER_FILES))
             directory = Path(snapshot_download(str(path), **hub_kwargs))
         if not _is_own_layout(directory):
             if target is None:
