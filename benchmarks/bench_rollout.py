@@ -132,6 +132,9 @@ def parse_args():
     p.add_argument("--sweep-reps", type=int, default=3, help="interleaved sweep repetitions per batch size")
     p.add_argument("--sweep-prefix", type=int, default=64,
                    help="sweep rows continue after this many tokens of their own answer in the last timed rollout")
+    p.add_argument("--profile-first", action="store_true",
+                   help="time the adaptive engines' cost table before the first rollout (untimed), as engines did "
+                        "before costs were learnt from the steps")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--name", default=None, help="results file name (default bench_rollout or bench_rollout_quick)")
     args = p.parse_args()
@@ -356,7 +359,8 @@ def main():
                                                                            num_speculative_tokens=args.k))
         elif name in ADAPTIVE:  # created once: it learns across generate calls
             engines[name] = SpeculativeGenerator(model, None if name == "history_only" else drafter,
-                                                 TLTConfig(speculation="adaptive", **ADAPTIVE[name]))
+                                                 TLTConfig(speculation="adaptive", cost_cache="off",
+                                                           **ADAPTIVE[name]))
 
     if "adaptive" in engines:  # same model and device: the one-off cost profile is measured once, shared
         for name in ("model_only", "history_only"):  # (their strategies are a subset of adaptive's)
@@ -378,10 +382,11 @@ def main():
         run_engine(model, tok, engine, small_ids, small_mask, 4, args.temperatures[0], args.seed, device)
     adaptive_warmup = []
     learners = [name for name in engines if name in ADAPTIVE]
-    for name in learners:  # the one-off cost profile, for every batch size of the timed rollouts (untimed)
-        engines[name].profile(batch, ids.shape[1] + min(args.max_new_tokens, 128))
-        print(f"{name}: cost profile up to batch {batch} in {engines[name].cost_profile.seconds_spent:.1f}s "
-              "(one-off, untimed)", flush=True)
+    if args.profile_first:  # the old one-off cost profile (untimed); by default costs are learnt from the steps
+        for name in learners:
+            engines[name].profile(batch, ids.shape[1] + min(args.max_new_tokens, 128))
+            print(f"{name}: cost profile up to batch {batch} in {engines[name].cost_profile.seconds_spent:.1f}s "
+                  "(untimed)", flush=True)
     if learners and args.adaptive_warmup_prompts > 0:
         warm_prompts = math_prompts(tok, args.adaptive_warmup_prompts, seed=args.prompt_seed + 1000,
                                     dataset=args.dataset, instruction=args.instruction)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 import statistics
@@ -148,7 +149,18 @@ def run(trainer_cls, name: str, options, dataset: Dataset) -> dict:
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
-    return {"name": name, "train_seconds": total, "steps": recorder.steps}
+    return {"name": name, "train_seconds": total, "steps": recorder.steps, **engine_log(trainer)}
+
+
+def engine_log(trainer) -> dict:
+    """TLT's adaptive engine: what its selector tried, when, and what it measured; the costs it learnt."""
+    engine = getattr(trainer, "_tlt_engine", None)
+    if engine is None:
+        return {}
+    decisions = {f"do_sample={key[0]},T={key[1]}": [{k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                                                      for k, v in record.items()} for record in selector.decisions]
+                 for key, selector in engine._selectors.items()}
+    return {"selector_decisions": decisions, "cost_profile": engine.cost_profile.to_dict()}
 
 
 def summarize(result: dict, skip: int) -> dict:
@@ -202,6 +214,18 @@ def table(summaries: dict) -> str:
     return "\n".join(lines)
 
 
+def step_table(results: dict) -> str:
+    """Each step's wall time in both runs, and the whole training."""
+    stock, tlt = results["stock"], results["tlt"]
+    lines = ["| step | stock s | TLT s | stock / TLT | TLT acceptance length |", "|---|---|---|---|---|"]
+    for a, b in zip(stock["steps"], tlt["steps"]):
+        lines.append(f"| {a['step']} | {a['step_seconds']:.1f} | {b['step_seconds']:.1f} | "
+                     f"{a['step_seconds'] / b['step_seconds']:.3f} | {b.get('acceptance_length', 1.0):.3f} |")
+    lines.append(f"| whole training | {stock['train_seconds']:.1f} | {tlt['train_seconds']:.1f} | "
+                 f"{stock['train_seconds'] / tlt['train_seconds']:.3f} | |")
+    return "\n".join(lines)
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 steps per run: under 10 minutes on 2 CPU cores")
@@ -217,11 +241,17 @@ def parse_args():
     p.add_argument("--drafter", default=None,
                    help="start TLT from this saved drafter (e.g. from `tlt warmup-drafter`); default: the drafter "
                         "shipped for SmolLM2-135M-Instruct; 'fresh': a fresh one that learns from the rollouts")
+    p.add_argument("--trainers", default="stock,tlt",
+                   help="which runs: 'stock,tlt' (default, one after the other), or one of them (for A/B timings of "
+                        "whole processes, which compare better on a noisy machine than two halves of one process)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/reproduce")
     options = p.parse_args()
     options.steps = options.steps or (3 if options.quick else 12)
     options.max_completion_length = options.max_completion_length or (128 if options.quick else 192)
+    options.trainers = [name.strip() for name in options.trainers.split(",") if name.strip()]
+    if not options.trainers or set(options.trainers) - {"stock", "tlt"}:
+        p.error(f"--trainers takes 'stock', 'tlt' or both, comma-separated; got {options.trainers}")
     return options
 
 
@@ -241,14 +271,24 @@ def main() -> None:
     dataset = arithmetic_dataset(options.steps * options.prompts_per_step * 4, options.seed)
     results = {}
     for name, cls in (("stock", TimedStock), ("tlt", TimedTLT)):
+        if name not in options.trainers:
+            continue
         print(f"=== {name}: {options.steps} GRPO steps on {options.model} ===", file=sys.stderr, flush=True)
         results[name] = run(cls, name, options, dataset)
     summaries = {name: summarize(result, options.skip_steps) for name, result in results.items()}
-    text = table(summaries)
-    print(text)
-    step_ratio = summaries["stock"]["step_seconds"] / summaries["tlt"]["step_seconds"]
-    rollout_ratio = summaries["stock"]["rollout_seconds"] / summaries["tlt"]["rollout_seconds"]
-    print(f"\nend-to-end step time: stock / TLT = {step_ratio:.3f}; rollout time: stock / TLT = {rollout_ratio:.3f}")
+    step_ratio = rollout_ratio = None
+    if len(results) == 2:
+        text = table(summaries) + "\n\n" + step_table(results)
+        print(text)
+        step_ratio = summaries["stock"]["step_seconds"] / summaries["tlt"]["step_seconds"]
+        rollout_ratio = summaries["stock"]["rollout_seconds"] / summaries["tlt"]["rollout_seconds"]
+        print(f"\nend-to-end step time: stock / TLT = {step_ratio:.3f}; rollout time: stock / TLT = "
+              f"{rollout_ratio:.3f}")
+    else:
+        (name, result), = results.items()
+        text = "\n".join(f"{name} step {s['step']}: {s['step_seconds']:.1f} s (rollout {s['rollout_seconds']:.1f} s)"
+                         for s in result["steps"]) + f"\n{name} whole training: {result['train_seconds']:.1f} s"
+        print(text)
     plot(results, out / "reproduce.png")
     payload = {"command": "python " + " ".join(sys.argv), "settings": vars(options),
                "machine": {"date": time.strftime("%Y-%m-%d", time.gmtime()),

@@ -24,6 +24,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(int(os.environ.get("TLT_TEST_THREADS", "1")))
 
 
+@pytest.fixture(autouse=True)
+def _own_cost_cache(tmp_path_factory, monkeypatch):
+    """Each test starts without measured costs (the adaptive engine's persistent cache, ``TLTConfig.cost_cache``):
+    what one test measured must not steer another's choices. Subprocesses inherit the variable."""
+    monkeypatch.setenv("TLT_COST_CACHE", str(tmp_path_factory.mktemp("tlt_costs")))
+
+
 @pytest.fixture(scope="module")
 def sampling_model():
     """The small-vocabulary, sharp model of the two-sample distribution tests (trees and history)."""

@@ -105,7 +105,9 @@ def test_a_slow_burst_in_the_profile_is_capped_by_larger_work():
     assert all(envelope[a] <= envelope[b] for a in keys for b in keys if b[0] >= a[0] and b[1] >= a[1])
 
 
-def test_adaptive_engine_profiles_once_and_stays_exact():
+def test_adaptive_engine_learns_costs_from_its_steps_and_stays_exact():
+    """No timing pass before the first rollout: plain steps fill the cost curve at the batch sizes the rows retire
+    through, and the engine stays greedy-identical to ``model.generate`` while it learns."""
     model = tiny_model("llama", logit_scale=4.0)
     torch.manual_seed(0)
     drafter = EagleDrafter.from_target(model)
@@ -117,11 +119,10 @@ def test_adaptive_engine_profiles_once_and_stays_exact():
         reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
                                    pad_token_id=PAD)
         assert torch.equal(ours.sequences, reference)
-    assert sorted(engine.cost_profile.batch_sizes()) == [1, 2, 4, 6]
-    assert engine.cost_profile.verify == monotone_envelope(engine.cost_profile.verify)
-    spent = engine.cost_profile.seconds_spent
-    engine.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
-    assert engine.cost_profile.seconds_spent == spent  # profiled once
+    profile = engine.cost_profile
+    assert profile.seconds_spent == 0 and not profile.verify  # nothing timed outside the steps
+    assert profile.plain_steps[6] > 0
+    assert 0 < profile.drafter_share < 1
     summary = engine.selector(False).summary()
     assert summary["chosen"] and set(summary["acceptance"]) == {s.name for s in engine.strategies}
     assert sum(ours.stats.strategies["5-16"].values()) == ours.stats.buckets["5-16"].steps

@@ -326,6 +326,16 @@ def test_the_adaptive_schedule_follows_the_drafter_on_the_real_engine(engine):
         print(f"trained: {state['schedule']} {[d['reason'] for d in later]} {state['expected_tokens']:.2f} tokens")
         assert state["drafter_updates"] == 1 and state["schedule"][1] == 3
         assert state["expected_tokens"] > 1.5 and state["costs"][1][3] > 0
+        # The measured costs are in the persistent cache under this engine's key: the next engine starts from them.
+        from tlt_trainers.rollout.cost_cache import load_costs
+        from tlt_trainers.vllm.schedule import AdaptiveSpeculation
+        from tlt_trainers.vllm.scheduler import vllm_cost_key
+
+        stored = load_costs(vllm_cost_key(scheduler.vllm_config))
+        assert stored is not None and stored["buckets"]["1"]["3"][1] >= 1
+        restored = AdaptiveSpeculation(scheduler.tlt_speculation.settings)
+        restored.merge_dict(stored)
+        assert math.isfinite(restored.cost_ratio(1, 3))
     finally:
         del llm
         sync.close()

@@ -3,6 +3,7 @@ acceptance: no vLLM needed. The scheduler that feeds it inside a real engine is 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -141,3 +142,38 @@ def test_settings_are_checked_and_the_engine_arguments_built():
         speculation_schedule("adaptive", 3, 0)
     with pytest.raises(TypeError):
         speculation_schedule("adaptive", 3, min_gian=0.1)  # a misspelt setting fails here, not in the engine
+
+
+def test_a_bucket_not_measured_yet_is_costed_from_the_plain_steps_over_as_many_rows():
+    """The cost model of TLT's own engine: a verify of k + 1 tokens for b requests costs about a plain step of
+    b * (k + 1) requests. Where the plain steps cover that size, a bucket is not tried on the prior's acceptance
+    alone (which would have started a trial at 16 requests on this CPU-like device); where they do not, it is."""
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    for batch in (64, 32, 16):  # the head of a rollout: plain steps only
+        for _ in range(3):
+            schedule.observe_step(batch, 0, cpu_like_cost(batch, 0))
+    assert schedule._unmeasured_ratio(16, 16) == pytest.approx(
+        (cpu_like_cost(64, 0) + K * 0.05 * cpu_like_cost(16, 0)) / cpu_like_cost(16, 0))
+    assert [schedule.choose(16) for _ in range(5)] == [0] * 5
+    fresh = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    fresh.observe_step(1, 0, cpu_like_cost(1, 0))
+    assert fresh._unmeasured_ratio(1, 1) == 1.0  # 4 rows not measured: no prediction beyond the plain steps
+    assert fresh.choose(1) == K  # a trial, as before
+
+
+def test_measured_costs_carry_over_to_the_next_engine():
+    """What one engine measured starts the next (the scheduler stores it in the persistent cost cache); entries that
+    do not parse are skipped."""
+    first = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    run(first, 1, 100, GOOD)
+    run(first, 8, 100, USELESS)
+    second = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    second.merge_dict(json.loads(json.dumps(first.to_dict())))
+    for key in (1, 8):
+        assert second.cost_ratio(key, K) == pytest.approx(first.cost_ratio(key, K))
+    assert second.profile.plain == pytest.approx(first.profile.plain)
+    damaged = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    damaged.merge_dict({"buckets": {"1": {"0": [0.1, 2], "3": ["x", 1], "4": [-1.0, 3]}, "y": {"0": [1, 1]}},
+                        "profile": {"plain": {"1": 0.1}}})
+    assert set(damaged.buckets) == {1} and set(damaged.buckets[1].costs) == {0}
+    assert damaged.profile.plain == {1: 0.1}

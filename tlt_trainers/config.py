@@ -103,6 +103,12 @@ class TLTConfig:
         metadata={"help": "UCB exploration weight of the adaptive selector: how often it retries strategies that "
                   "look worse, whose acceptance changes as the drafter trains (0: always exploit)."},
     )
+    cost_cache: str = field(
+        default="auto",
+        metadata={"help": "Where the adaptive engine keeps the step costs it measured, so that the next run on the "
+                  "same machine, policy and versions starts measured: 'auto' (~/.cache/tlt_trainers/costs, or "
+                  "$TLT_COST_CACHE where set), a directory, or 'off' (costs are learnt from each run's steps alone)."},
+    )
     show_progress: bool = field(default=False, metadata={"help": "Show a progress bar over the decode steps."})
 
     def __post_init__(self) -> None:
@@ -128,6 +134,8 @@ class TLTConfig:
             raise ValueError(f"TLTConfig.min_speedup={self.min_speedup} must be >= 1 (1: no margin).")
         if self.selector_window < 1 or self.exploration < 0:
             raise ValueError("TLTConfig.selector_window must be >= 1 and exploration >= 0.")
+        if not isinstance(self.cost_cache, str) or not self.cost_cache:
+            raise ValueError(f"TLTConfig.cost_cache={self.cost_cache!r} must be 'auto', 'off' or a directory.")
         self.speculation_strategies()  # parse errors surface at construction
 
     @property

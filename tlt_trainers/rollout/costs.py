@@ -1,11 +1,16 @@
-"""What a step costs on this device: a one-off profile of the policy and drafter, refined by every step.
+"""What a step costs on this device, learnt from the steps the engine runs.
 
-Whether speculation pays at a batch size is a question about the device: on a GPU a forward over
-8 rows costs about what 1 row costs, on a CPU it does not. The profile times one policy forward
-(decoder, LM head, softmax) over q new tokens per row for a few batch sizes, with a realistic
-cache length, and one drafter pass. Each engine step then corrects the prediction for its
-strategy and batch bucket (an exponential moving average of measured / predicted), so the model
-follows what the hardware really does, including overheads the profile cannot see.
+Whether speculation pays at a batch size is a question about the device: on a GPU a forward over 8 rows costs about
+what 1 row costs, on a CPU it does not. Nothing is timed before the first rollout. Every plain step records what a
+step at its exact batch size costs (:meth:`CostProfile.observe_plain`), and a speculative step is predicted from
+that curve: a policy pass over q new tokens for b rows costs about what a plain step over b * q rows costs (the
+linear layers see the same number of rows), and a drafter pass a fixed share of it (its linear weights over the
+policy's). Where nothing is known the prediction is infinite and the engine decodes plainly. The selector then
+corrects each prediction for its strategy and batch bucket from the steps it takes (:mod:`.selector`).
+
+Timed passes (:func:`profile_costs`) refine the table where they exist: an explicit ``engine.profile()``, a
+measurement in a rank's idle time (``engine.measure_costs``), or the persistent cache of an earlier run on the same
+machine (:mod:`.cost_cache`).
 """
 
 from __future__ import annotations
@@ -36,16 +41,80 @@ def _timed(fn, sync: bool) -> float:
     return time.perf_counter() - start
 
 
+def log_smoothed(old: float | None, new: float, alpha: float) -> float:
+    """A moving average in log space (seconds and their ratios: a burst of slowness is one-sided)."""
+    return new if old is None else math.exp((1 - alpha) * math.log(old) + alpha * math.log(new))
+
+
+def linear_weights(module: torch.nn.Module) -> int:
+    """Weights of the module's linear layers: what a pass over one row multiplies (embeddings are lookups)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+# A forward's seconds at n rows modelled as fixed + per-row * n, where one batch size n1 is all that is known: the
+# fixed share (streaming the weights, launching kernels) is 1 / (1 + rate * n1) of it. On a CPU a second row cost
+# ~1.1x one row and 64 rows ~5x (SmolLM2-135M, 2 cores); a GPU stays flat far longer. Only a prior: the second
+# batch size measured replaces it with the slope between the two.
+FIXED_SHARE_RATE = {"cpu": 0.11, "cuda": 0.002}
+
+
+def _curve(points: dict[int, float], batch: float, fixed_share_rate: float = FIXED_SHARE_RATE["cpu"]) -> float:
+    """Seconds at ``batch`` from seconds measured at some batch sizes: linear between them; beyond the largest, along
+    the slope from a size at most half as large, and no cheaper than the fixed-share model of the largest size alone;
+    below the smallest, its cost."""
+    if not points:
+        return math.inf
+    sizes = sorted(points)
+    if batch <= sizes[0]:
+        return points[sizes[0]]
+    if batch >= sizes[-1]:
+        top = sizes[-1]
+        fixed = 1.0 / (1.0 + fixed_share_rate * top)
+        one_size = points[top] * (fixed + (1.0 - fixed) * batch / top)
+        if len(sizes) == 1:
+            return one_size
+        # The slope from the top size to the largest at most half as large (adjacent sizes differ by noise alone),
+        # never flatter than the fixed-share model: a noisy pair must not make many more rows look free.
+        below = max([b for b in sizes if b <= top / 2] or sizes[:1])
+        slope = max(points[top] - points[below], 0.0) / (top - below)
+        return max(points[top] + slope * (batch - top), one_size)
+    upper = next(b for b in sizes if b >= batch)
+    lower = max(b for b in sizes if b <= batch)
+    if upper == lower:
+        return points[lower]
+    w = (batch - lower) / (upper - lower)
+    return (1 - w) * points[lower] + w * points[upper]
+
+
 @dataclass
 class CostProfile:
-    """Seconds of one policy forward (``verify``) and one drafter pass (``draft``) by (batch, tokens per row)."""
+    """Seconds of a step, by batch size: plain steps as the engine ran them (``plain``, learnt online) and, where
+    timed, one policy forward (``verify``) and one drafter pass (``draft``) by (batch, tokens per row).
+
+    ``corrections``: what the selectors learnt about each speculative strategy per batch bucket, as (measured /
+    predicted seconds, steps behind it); kept here so that the persistent cache carries them to the next run.
+    """
 
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[tuple[int, int], float] = field(default_factory=dict)
-    seconds_spent: float = 0.0
+    plain: dict[int, float] = field(default_factory=dict)
+    plain_steps: dict[int, int] = field(default_factory=dict)
+    corrections: dict[tuple[int, str], tuple[float, int]] = field(default_factory=dict)
+    drafter_share: float | None = None  # a drafter pass per policy pass over as many rows (linear weights' ratio)
+    fixed_share_rate: float = FIXED_SHARE_RATE["cpu"]  # the device's prior where one batch size is known (_curve)
+    seconds_spent: float = 0.0  # timing passes (profile_costs), not the steps learnt from
+    plain_smoothing: float = 0.3
 
     def batch_sizes(self) -> list[int]:
+        """Batch sizes with timed passes."""
         return sorted({b for b, _ in self.verify})
+
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        """A plain step's seconds at exactly ``batch`` rows (a moving average in log space: noise is one-sided)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        self.plain[batch] = log_smoothed(self.plain.get(batch), seconds, self.plain_smoothing)
+        self.plain_steps[batch] = self.plain_steps.get(batch, 0) + 1
 
     def _lookup(self, table: dict, batch: int, tokens: int) -> float:
         """Linear interpolation in the batch size between measured sizes (inf where not measured)."""
@@ -63,25 +132,87 @@ class CostProfile:
         w = (batch - lower) / (upper - lower)
         return (1 - w) * table[(lower, tokens)] + w * table[(upper, tokens)]
 
+    def _plain_curve(self) -> dict[int, float]:
+        return {b: s for (b, q), s in self.verify.items() if q == 1} or self.plain
+
+    def forward_seconds(self, batch: int, tokens: int) -> float:
+        """One policy pass over ``tokens`` new tokens for ``batch`` rows. From timed passes where the table has them
+        (a token count left out there was too dear to pay: inf); else a plain step over batch * tokens rows (inf
+        while no plain step has been seen)."""
+        if self.verify:
+            return self._lookup(self.verify, batch, tokens)
+        return _curve(self.plain, batch * tokens, self.fixed_share_rate)
+
+    def drafter_seconds(self, batch: int, width: int) -> float:
+        """One drafter pass over ``width`` tokens per row: timed, else its share of a plain step over as many rows."""
+        if self.draft:
+            return self._lookup(self.draft, batch, width)
+        if self.drafter_share is None:
+            return math.inf
+        return self.drafter_share * _curve(self._plain_curve(), batch * width, self.fixed_share_rate)
+
+    def timed(self, strategy: Strategy) -> bool:
+        """Whether the strategy's prediction comes from timed passes rather than from the plain-step curve."""
+        return bool(self.verify) and (not strategy.uses_drafter or bool(self.draft))
+
     def catch_up_seconds(self, batch: int) -> float:
-        """The drafter's pass over the one token per row a plain step commits (0 without a drafter profile)."""
-        seconds = self._lookup(self.draft, batch, 1)
+        """The drafter's pass over the one token per row a plain step commits (0 where unknown)."""
+        seconds = self.drafter_seconds(batch, 1)
         return seconds if math.isfinite(seconds) else 0.0
 
     def step_seconds(self, strategy: Strategy, batch: int) -> float:
-        """Predicted seconds of one engine step with ``strategy`` at ``batch`` active rows."""
-        verify = self._lookup(self.verify, batch, strategy.tokens_per_row)
+        """Predicted seconds of one engine step with ``strategy`` at ``batch`` active rows (inf: unknown)."""
+        verify = self.forward_seconds(batch, strategy.tokens_per_row)
         if strategy.kind in ("none", "history"):
             return verify
-        catch_up = self._lookup(self.draft, batch, 1)
+        catch_up = self.drafter_seconds(batch, 1)
         if strategy.kind == "chain":
             return verify + strategy.depth * catch_up
-        return verify + catch_up + (strategy.depth - 1) * self._lookup(self.draft, batch, strategy.width)
+        return verify + catch_up + (strategy.depth - 1) * self.drafter_seconds(batch, strategy.width)
 
     def to_dict(self) -> dict:
         return {"verify": {f"{b}x{q}": s for (b, q), s in sorted(self.verify.items())},
                 "draft": {f"{b}x{q}": s for (b, q), s in sorted(self.draft.items())},
+                "plain": {str(b): s for b, s in sorted(self.plain.items())},
+                "plain_steps": {str(b): n for b, n in sorted(self.plain_steps.items())},
+                "corrections": {f"{b}|{name}": [ratio, n]
+                                for (b, name), (ratio, n) in sorted(self.corrections.items())},
+                "drafter_share": self.drafter_share,
                 "seconds_spent": self.seconds_spent}
+
+    def merge_dict(self, data: dict) -> None:
+        """Take what :meth:`to_dict` wrote (the persistent cache); entries that do not parse or are not positive
+        finite numbers are skipped, so a damaged file costs nothing but its own entries."""
+
+        def pairs(table):
+            for key, seconds in (table or {}).items():
+                try:
+                    b, q = (int(x) for x in str(key).split("x"))
+                    seconds = float(seconds)
+                except (TypeError, ValueError):
+                    continue
+                if b >= 1 and q >= 1 and math.isfinite(seconds) and seconds > 0:
+                    yield (b, q), seconds
+
+        self.verify.update(pairs(data.get("verify")))
+        self.draft.update(pairs(data.get("draft")))
+        steps = data.get("plain_steps") or {}
+        for key, seconds in (data.get("plain") or {}).items():
+            try:
+                b, seconds, n = int(key), float(seconds), int(steps.get(key, 1))
+            except (TypeError, ValueError):
+                continue
+            if b >= 1 and math.isfinite(seconds) and seconds > 0:
+                self.plain[b], self.plain_steps[b] = seconds, max(n, 1)
+        for key, value in (data.get("corrections") or {}).items():
+            try:
+                bucket, name = str(key).split("|", 1)
+                ratio, n = float(value[0]), int(value[1])
+                bucket = int(bucket)
+            except (TypeError, ValueError, IndexError):
+                continue
+            if bucket >= 1 and math.isfinite(ratio) and ratio > 0 and n >= 1:
+                self.corrections[(bucket, name)] = (ratio, n)
 
 
 def _rows_at(batch: int, context: int, device) -> RowState:

@@ -9,7 +9,9 @@ engine decodes one token per step: the baseline.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,9 +20,14 @@ from ..config import TLTConfig
 from ..modeling.target import TargetModel
 from ..proposers.rollout_history import RolloutHistory
 from ..sampling.distribution import check_generation_config, resolve_sampling
-from .costs import CostProfile, profile_costs
+from .cost_cache import cost_key, load_costs, save_costs
+from .costs import FIXED_SHARE_RATE, CostProfile, linear_weights, profile_costs
 from .rollout import GenerationResult, Rollout
 from .selector import StrategySelector
+
+# Share of an idle budget (a rank or replica that finished its rollout early) that may go to timing the engine's
+# passes it has not timed yet (measure_costs, the tail's batch sizes first) before the drafter trains in the rest.
+IDLE_COST_TIMING_SHARE = 0.25
 
 SUPPORTED_SETTINGS = (
     "attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, "
@@ -79,8 +86,15 @@ class SpeculativeGenerator:
         if any(s.history_tokens for s in self.strategies):
             self.rollout_history = RolloutHistory(max_tokens=self.config.history_max_tokens,
                                                   keep_steps=self.config.history_keep_steps)
-        self.cost_profile = CostProfile()
+        self.cost_profile = CostProfile(fixed_share_rate=FIXED_SHARE_RATE.get(self.target.device.type,
+                                                                              FIXED_SHARE_RATE["cpu"]))
+        if drafter is not None:
+            self.cost_profile.drafter_share = linear_weights(drafter) / max(linear_weights(model), 1)
         self._selectors: dict[tuple, StrategySelector] = {}
+        self._cost_key: dict | None = None
+        self._last_batch, self._last_context = 0, 0  # of the latest adaptive rollout: what idle-time timing covers
+        if self.config.speculation == "adaptive" and self.strategies:
+            self.load_costs()
 
     def selector(self, do_sample: bool = True, temperature: float = 1.0) -> StrategySelector | None:
         """The adaptive selector for a sampling regime (acceptance differs between greedy and sampling)."""
@@ -93,13 +107,72 @@ class SpeculativeGenerator:
         return self._selectors[key]
 
     def profile(self, batch_size: int, context: int) -> CostProfile:
-        """Measure (once per batch size) what a step of each strategy costs; adaptive generate() calls this."""
+        """Time (once per batch size, three passes) what a step of each strategy costs at batch sizes 1, 2, 4, ...
+        up to ``batch_size``. The engine never needs this: it learns costs from the steps it runs. Benchmarks and
+        GPU checks call it to start from a timed table."""
+        return profile_costs(self.target, self.drafter, self.strategies, self._profile_sizes(batch_size), context,
+                             self.cost_profile, min_speedup=self.config.min_speedup)
+
+    def _profile_sizes(self, batch_size: int) -> list[int]:
         sizes = [1 << i for i in range(batch_size.bit_length()) if 1 << i <= batch_size] + [batch_size]
         cap = self.config.max_speculative_batch_size
-        if cap is not None:
-            sizes = [b for b in sizes if b <= cap]
-        return profile_costs(self.target, self.drafter, self.strategies, sizes, context, self.cost_profile,
-                             min_speedup=self.config.min_speedup)
+        return sorted({b for b in sizes if cap is None or b <= cap})
+
+    def measure_costs(self, max_seconds: float, should_stop: Callable[[], bool] | None = None) -> list[int]:
+        """Time the strategies' passes at batch sizes 1, 2, 4, ... up to the latest rollout's batch, smallest first
+        (the tail, where speculation pays), one pass each, for at most ``max_seconds`` or until ``should_stop()``.
+        For time that is idle anyway: a rank that finished its rollout early. Returns the batch sizes timed (the
+        table then serves every later step, and the cost cache the next run)."""
+        if self.config.speculation != "adaptive" or not self.strategies or self._last_batch < 1 or max_seconds <= 0:
+            return []
+        deadline = time.perf_counter() + max_seconds
+        done = []
+        training = self.model.training
+        self.model.eval()  # as in a rollout: a model training with gradient checkpointing would skip the KV cache
+        try:
+            for batch in self._profile_sizes(self._last_batch):
+                if batch in self.cost_profile.batch_sizes():
+                    continue
+                if time.perf_counter() >= deadline or (should_stop is not None and should_stop()):
+                    break
+                profile_costs(self.target, self.drafter, self.strategies, [batch], self._last_context,
+                              self.cost_profile, repeats=1, min_speedup=self.config.min_speedup)
+                done.append(batch)
+        finally:
+            self.model.train(training)
+        if done:
+            self.save_costs()
+        return done
+
+    # ------------------------------------------------------------------ persistent costs
+    def _cache_dir(self) -> Path | None:
+        setting = self.config.cost_cache
+        if setting == "off":
+            return None
+        return None if setting == "auto" else Path(setting).expanduser()
+
+    def cost_cache_key(self) -> dict:
+        """What this engine's step costs depend on (see :mod:`.cost_cache`)."""
+        if self._cost_key is None:
+            self._cost_key = cost_key(self.model, self.drafter, self.target.device, self.target.dtype,
+                                      self.config.cuda_graphs)
+        return self._cost_key
+
+    def load_costs(self) -> bool:
+        """Start from the costs an earlier run on this machine measured (``TLTConfig.cost_cache``); True if any."""
+        if self.config.cost_cache == "off":
+            return False
+        stored = load_costs(self.cost_cache_key(), self._cache_dir())
+        if not stored:
+            return False
+        self.cost_profile.merge_dict(stored)
+        return True
+
+    def save_costs(self) -> Path | None:
+        """Store what the engine has measured, for the next run (the adaptive engine does this after each rollout)."""
+        if self.config.cost_cache == "off":
+            return None
+        return save_costs(self.cost_cache_key(), self.cost_profile.to_dict(), self._cache_dir())
 
     # ------------------------------------------------------------------ public entry
     @torch.no_grad()
@@ -209,7 +282,7 @@ class SpeculativeGenerator:
                 raise ValueError(f"history_keys has {len(history_keys)} entries for {input_ids.shape[0]} rows.")
             keys = list(history_keys)
             self.rollout_history.new_step()
-        if self.selector(params.do_sample, params.temperature) is not None:
-            self.profile(input_ids.shape[0], input_ids.shape[1] + min(max_new_tokens, 128))
+        if self.selector(params.do_sample, params.temperature) is not None:  # costs are learnt from the steps
+            self._last_batch, self._last_context = input_ids.shape[0], input_ids.shape[1] + min(max_new_tokens, 128)
         return Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),
                        pad_token_id, generator, feature_sink, keys, feature_layers)

@@ -369,6 +369,8 @@ class Rollout:
         if self.history is not None:
             self.stats.history_proposed = self.history.proposed_tokens
             self.stats.history_bytes = self.history.nbytes()
+        if self.selector is not None:
+            self.engine.save_costs()
         width = int(self.lengths.max())
         sequences = torch.cat([self.input_ids, self.completions[:, :width]], dim=1)
         return GenerationResult(sequences=sequences, stats=self.stats)

@@ -8,11 +8,14 @@ estimated separately because they generalise differently:
   informs every bucket; a sliding window forgets what a stale drafter did. Which rows are still
   running differs by batch size, though (the tail is the long, often repetitive answers), so a
   bucket with its own observations shrinks the shared estimate toward them.
-* the relative cost depends on the batch size and the device: a profile predicts it and every
-  step corrects the prediction for its bucket (see :mod:`.costs`). A speculative step is measured
-  against the bucket's recent plain steps, not against the profile: contexts grow during a rollout
-  and a machine's speed drifts over minutes (a shared or busy CPU), so only steps close in time compare. When a
-  bucket's plain reference is older than ``refresh_steps`` steps, the next step there is plain.
+* the relative cost depends on the batch size and the device: the cost profile predicts it from the plain steps
+  the engine ran (or timed passes, where there are some), and every speculative step corrects the prediction for its
+  strategy and bucket (see :mod:`.costs`). Nothing known at a batch size means plain decoding there. A speculative
+  step is measured against the bucket's recent plain steps: contexts grow during a rollout and a machine's speed
+  drifts over minutes (a shared or busy CPU), so only steps close in time compare. When a bucket's plain reference
+  is older than ``refresh_steps`` steps, the next step there is plain. The corrections live in the profile, which
+  the engine's persistent cost cache carries to the next run; a strategy with ``min_trials`` steps behind its
+  correction is costed from it, not explored.
 
 Plain decoding has speedup 1 by definition and is always an arm, so speculation is used only
 where it is expected to pay. TLT's table seeds the optimism of the first choices, nothing more.
@@ -31,14 +34,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..proposers.strategy import NONE, Strategy, tlt_prior
-from .costs import CostProfile, selector_bucket
+from .costs import CostProfile, log_smoothed, selector_bucket
 
 
 class StrategySelector:
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
                  explore_below: float = 1.3, min_speedup: float = 1.25, bucket_weight: float = 8.0,
-                 refresh_steps: int = 32, cost_pessimism: float = 0.5, min_trials: int = 4):
+                 refresh_steps: int = 32, cost_pessimism: float = 0.5, min_trials: int = 4,
+                 decision_log: int = 4096):
         self.strategies = [s for s in strategies if s.kind != "none"]
         self.profile = profile
         self.window = window
@@ -54,16 +58,21 @@ class StrategySelector:
         self.steps = 0
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
         self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
-        # (bucket, "none") -> plain steps' measured / predicted seconds; (bucket, strategy) -> a speculative step's
-        # measured / predicted seconds relative to that plain pace when it was taken
-        self.correction: dict[tuple[int, str], float] = {}
+        # bucket -> plain steps' measured / predicted seconds (the bucket's plain pace, local in time); a speculative
+        # step's measured / predicted seconds relative to that pace live in ``profile.corrections`` (shared by the
+        # engine's selectors and carried to the next run by the persistent cost cache)
+        self.pace: dict[int, float] = {}
         self.plain_seen: dict[int, int] = {}  # bucket -> selector step of its latest plain step
-        self.cost_samples: dict[tuple[int, str], int] = {}  # (bucket, strategy) -> steps behind its cost correction
         self.chosen: dict[int, dict[str, int]] = {}
         # History calibration: (step, bucket, tokens accepted, tokens the proposals' match statistics predicted).
         self.history_calibration_prior = (2.0, 4.0)  # pseudo-counts: accepted, predicted (a 0.5 prior)
         self.history_outcomes: deque = deque()
         self._history_prediction: tuple[Strategy, float] | None = None
+        # What it tried, when, and what it measured: one record each time a bucket's choice changes, completed by
+        # that step's measurement (``decisions``; bounded).
+        self.decisions: deque = deque(maxlen=decision_log)
+        self._last_choice: dict[int, str] = {}
+        self._open_decision: dict | None = None
 
     # --------------------------------------------------------------- estimates
     def _prior(self, strategy: Strategy, batch: int) -> float:
@@ -118,18 +127,32 @@ class StrategySelector:
         """
         if strategy.kind == "none":
             return 1.0
-        profiled = self.profile.step_seconds(strategy, batch) / self.profile.step_seconds(NONE, batch)
+        plain = self.profile.step_seconds(NONE, batch)
+        if not (math.isfinite(plain) and plain > 0):
+            return math.inf  # nothing known at this batch size yet: plain decoding measures it
+        profiled = self.profile.step_seconds(strategy, batch) / plain
+        floor = profiled if self.profile.timed(strategy) else 1.0  # a prior from the plain curve is no floor
         if not corrected:
             return max(profiled, 1.0)
-        ratio = profiled * self.correction.get((selector_bucket(batch), strategy.name), 1.0)
-        return max(ratio, profiled, 1.0)
+        ratio = profiled * self.correction(strategy, batch)
+        return max(ratio, floor, 1.0)
+
+    def correction(self, strategy: Strategy, batch: int) -> float:
+        """Measured / predicted seconds of the strategy's steps in this bucket, against the plain pace of their time."""
+        return self.profile.corrections.get((selector_bucket(batch), strategy.name), (1.0, 0))[0]
+
+    def cost_samples(self, strategy: Strategy, batch: int) -> int:
+        """Steps behind the strategy's cost correction in this bucket (this run's and the cached runs')."""
+        return self.profile.corrections.get((selector_bucket(batch), strategy.name), (1.0, 0))[1]
 
     def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
         """Expected speedup over plain decoding. Exploration is optimistic only where a wrong guess is cheap
         (relative cost up to ``explore_below``): acceptance learnt in the tail serves every bucket."""
         if strategy.kind == "none":
             return 1.0
-        few_steps = self.cost_samples.get((selector_bucket(batch), strategy.name), 0) < self.min_trials
+        # A timed cost is not doubted on a few slow steps (noise); a prior from the plain curve is replaced by the
+        # first step's measurement, which is all there is
+        few_steps = self.profile.timed(strategy) and self.cost_samples(strategy, batch) < self.min_trials
         cost = self.relative_cost(strategy, batch, corrected=not (optimism and few_steps))  # few steps: noise
         if not math.isfinite(cost):
             return 0.0
@@ -218,6 +241,12 @@ class StrategySelector:
             self._history_prediction = (best, expected[best.history_tokens - 1] * batch)
         counts = self.chosen.setdefault(bucket, {})
         counts[best.name] = counts.get(best.name, 0) + 1
+        if self._last_choice.get(bucket) != best.name:
+            self._last_choice[bucket] = best.name
+            self._open_decision = {"step": self.steps + 1, "batch": batch, "strategy": best.name,
+                                   "expected_speedup": round(best_value if best.kind != "none" else 1.0, 4),
+                                   "relative_cost": round(self.relative_cost(best, batch), 4)}
+            self.decisions.append(self._open_decision)
         return best
 
     def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float,
@@ -233,6 +262,12 @@ class StrategySelector:
         the drafter does.
         """
         self.steps += 1
+        if self._open_decision is not None:  # the step a changed choice led to: what it measured
+            plain = self.profile.step_seconds(NONE, batch)
+            self._open_decision.update(
+                seconds=round(seconds, 6), tokens_per_row=round(emitted / batch, 4),
+                measured_relative_cost=round(seconds / plain, 4) if math.isfinite(plain) and plain > 0 else None)
+            self._open_decision = None
         prediction, self._history_prediction = self._history_prediction, None
         if prediction is not None and prediction[0] == strategy and accepted is not None:
             self.history_outcomes.append((self.steps, selector_bucket(batch), accepted, prediction[1]))
@@ -244,29 +279,30 @@ class StrategySelector:
                 history.append((self.steps, per_row))
                 self.observed_in.setdefault((bucket, strategy.name), deque()).append((self.steps, per_row))
         predicted = self.profile.step_seconds(strategy, batch)
-        if not (math.isfinite(predicted) and predicted > 0):
-            return
         if strategy.kind == "none":
             self.plain_seen[bucket] = self.steps
-            ratio = seconds / predicted
-        else:
-            if catch_up_seconds:  # keep the catch-up a step pays in a run of speculative steps
-                seconds = max(seconds - catch_up_seconds, 0.0) + self.profile.catch_up_seconds(batch)
-            ratio = seconds / predicted / self.correction.get((bucket, NONE.name), 1.0)
+            if math.isfinite(predicted) and predicted > 0:
+                old = self.pace.get(bucket)
+                self.pace[bucket] = log_smoothed(old, seconds / predicted, self.cost_smoothing)
+            self.profile.observe_plain(batch, seconds)
+            return
+        if not (math.isfinite(predicted) and predicted > 0):
+            return
+        if catch_up_seconds:  # keep the catch-up a step pays in a run of speculative steps
+            seconds = max(seconds - catch_up_seconds, 0.0) + self.profile.catch_up_seconds(batch)
+        ratio = seconds / predicted / self.pace.get(bucket, 1.0)
         key = (bucket, strategy.name)
-        self.cost_samples[key] = self.cost_samples.get(key, 0) + 1  # never windowed, like the correction itself
-        old = self.correction.get(key)
+        old, samples = self.profile.corrections.get(key, (None, 0))
+        # Pessimism is learnt fast, optimism slowly: a speculative step dearer than believed is a loss now, one
+        # cheaper than believed only a gain forgone.
         alpha = self.cost_smoothing
-        if strategy.kind != "none" and old is not None and ratio > old:
-            # Pessimism is learnt fast, optimism slowly: a speculative step dearer than believed is a loss now,
-            # one cheaper than believed only a gain forgone. (Not for plain steps: a slow plain pace would make
-            # every speculative step look cheap against it.)
+        if old is not None and ratio > old:
             alpha = max(alpha, self.cost_pessimism)
-        self.correction[key] = ratio if old is None else math.exp((1 - alpha) * math.log(old) + alpha * math.log(ratio))
+        self.profile.corrections[key] = (log_smoothed(old, ratio, alpha), samples + 1)  # never windowed
 
     def summary(self) -> dict:
         """What the selector believes now: acceptance per strategy, relative cost and choices per bucket."""
-        buckets = sorted({b for b, _ in self.correction} | set(self.chosen))
+        buckets = sorted({b for b, _ in self.profile.corrections} | set(self.pace) | set(self.chosen))
         return {
             "acceptance": {s.name: self.acceptance(s, 1) for s in self.strategies},
             "observed_steps": {s.name: len(self._recent(s)) for s in self.strategies},

@@ -41,7 +41,7 @@ from ..drafter.base import Drafter
 from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import TRAINER_STATE
 from ..modeling.features import capture_features
-from ..rollout.generator import SpeculativeGenerator
+from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import effective_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
@@ -364,8 +364,9 @@ class TLTGRPOTrainer(GRPOTrainer):
                                full_vocab_head=self.drafter.config.uses_draft_vocab)
         # speculation="adaptive": TLT's scheduler chooses each step's draft length from the engine's measured costs
         # and live acceptance; "always": the chain at every step (up to max_speculative_batch_size, where set).
+        settings = {"cost_cache": self._tlt_config.cost_cache} if self._tlt_config.speculation == "adaptive" else {}
         spec_extra, engine_extra = speculation_schedule(self._tlt_config.speculation, self._tlt_config.chain_length,
-                                                        self._tlt_config.max_speculative_batch_size)
+                                                        self._tlt_config.max_speculative_batch_size, **settings)
         self.vllm_generation.start(sync, engine_extra, **spec_extra)
         self._tlt_vllm_sync, self._tlt_vllm_serves_drafter = sync, True
         self._tlt_vllm_seen = sync.counters()
@@ -438,7 +439,12 @@ class TLTGRPOTrainer(GRPOTrainer):
         rollout_seconds = time.perf_counter() - self._tlt_rollout_start
         posted = time.perf_counter()
         work = ranks.post_arrival(rollout_seconds)
+        costs_timed: list[int] = []
         if ranks.distributed and self._tlt_trains_at_generation_end:  # train while slower ranks still generate
+            if self._tlt_engine is not None:  # first time what the engine has not timed yet: the idle time is free
+                with self._tlt_unwrapped() as unwrapped, self._tlt_autocast(_policy_of(unwrapped)):
+                    costs_timed = self._tlt_engine.measure_costs(
+                        IDLE_COST_TIMING_SHARE * settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
             update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
         elif self.use_vllm and not self._tlt_vllm_serves_drafter:
             update = {}  # vLLM runs without the drafter: training it here would only cost time
@@ -477,6 +483,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         metrics["tlt/drafter_loss"].append(column["loss"][src].item())
         metrics["tlt/drafter_top1"].append(column["top1"][src].item())
         metrics["tlt/drafter_sync_seconds"].append(sync_seconds)
+        if ranks.distributed:  # batch sizes whose passes this rank timed in its idle time (once each; then cached)
+            metrics["tlt/cost_batch_sizes_timed"].append(float(len(costs_timed)))
         if self._tlt_vllm_sync is not None:
             metrics["tlt/drafter_updates_loaded"].append(float(self._tlt_vllm_pushes))
             metrics["tlt/drafter_push_seconds"].append(push_seconds)
@@ -490,7 +498,7 @@ class TLTGRPOTrainer(GRPOTrainer):
                 "wait_seconds": waited, "rollout_seconds": rollout_seconds, "source_rank": src,
                 "source_steps": int(column["steps"][src].item()), "total_steps": self.drafter_trainer.step,
                 "buffer_sequences": len(self.drafter_trainer.buffer),
-                "buffer_bytes": self.drafter_trainer.buffer.nbytes,
+                "buffer_bytes": self.drafter_trainer.buffer.nbytes, "costs_timed": costs_timed,
             })
 
     def _tlt_train_drafter(self, max_seconds: float, should_stop=None, at_least_one: bool = False) -> dict:

@@ -160,6 +160,8 @@ class TLTAgentLoopManager(AgentLoopManager):
             "tlt/drafter_total_steps": float(merged["total_steps"] if merged is not None
                                              else max((s.get("drafter_total_steps", 0) for s in stats), default=0)),
             "tlt/history_bytes": total("history_bytes"),
+            # batch sizes whose passes idle replicas timed for the adaptive engine (once each; then cached)
+            "tlt/cost_batch_sizes_timed": float(sum(len(r.get("costs_timed", ())) for r in idle_results.values())),
         }
 
     def pop_metrics(self) -> dict[str, float]:

@@ -28,7 +28,7 @@ import torch
 from ..drafter.base import Drafter
 from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import DrafterTrainer
-from ..rollout.generator import SpeculativeGenerator
+from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import SamplingParams, process_logits
 from ..vllm.sync import _torch_dtype
@@ -470,12 +470,16 @@ class TLTRolloutServer:
                 return False
             return self._interrupt.is_set() or time.perf_counter() >= deadline
 
+        costs_timed = []
+        if not at_least_one:  # idle time: first time the engine's passes it has not timed yet (free here)
+            costs_timed = self.engine.measure_costs(IDLE_COST_TIMING_SHARE * max_seconds, self._interrupt.is_set)
         if not self._draft_vocab_ready:
             trainer.rebuild_draft_vocab()
             self._draft_vocab_ready = True
         with torch.enable_grad():
             metrics = trainer.train(max_steps=settings.drafter_max_steps_per_update, max_seconds=None,
                                     should_stop=should_stop)
+        metrics["costs_timed"] = costs_timed
         self.drafter.eval()
         self.steps_since_sync += metrics.get("steps", 0)
         return metrics

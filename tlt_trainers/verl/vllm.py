@@ -120,7 +120,9 @@ def configure_vllm_rollout(config: DictConfig, section: TLTSection) -> None:
                                  "rollout.tensor_model_parallel_size=1 (or tlt.speculation=never).")
             k = num_speculative_tokens(section)
             out = os.path.join(os.path.abspath(str(config.trainer.default_local_dir)), EXPORT_DIR)
-            spec_extra, engine_extra = speculation_schedule(section.speculation, k, section.max_speculative_batch_size)
+            settings = {"cost_cache": section.cost_cache} if section.speculation == "adaptive" else {}
+            spec_extra, engine_extra = speculation_schedule(section.speculation, k, section.max_speculative_batch_size,
+                                                            **settings)
             spec = {"method": "eagle", "model": out, "num_speculative_tokens": k}
             if spec_extra.get("num_speculative_tokens_per_batch_size") is not None:
                 spec["num_speculative_tokens_per_batch_size"] = [

@@ -38,7 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout.costs import selector_bucket
+from ..proposers.strategy import NONE, parse_strategy
+from ..rollout.costs import CostProfile, selector_bucket
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class SpeculationSettings:
     window_drafts: int = 512  # acceptance over the most recent drafts
     cost_smoothing: float = 0.3  # weight of the newest step in a cost's moving average
     prior_accepted_per_position: tuple[float, ...] = (0.5, 0.3, 0.2, 0.1)  # before any draft: worth one trial
+    drafter_share: float = 0.05  # a drafter pass per plain step over as many rows, before one is measured
+    cost_cache: str = "auto"  # where measured costs are kept between runs ('auto', a directory, or 'off')
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:
@@ -89,6 +92,9 @@ class AdaptiveSpeculation:
     def __init__(self, settings: SpeculationSettings | None = None):
         self.settings = settings or SpeculationSettings()
         self.buckets: dict[int, _Bucket] = {}
+        # The cost model of TLT's own engine (rollout/costs.py), fed with the plain steps: it predicts what a bucket
+        # not measured yet costs, from the plain steps over as many rows (a verify of k + 1 tokens per request)
+        self.profile = CostProfile(drafter_share=self.settings.drafter_share)
         self._drafts: deque[tuple[int, tuple[int, ...]]] = deque()  # (drafts, accepted per position) per step
         self._window = [0, [0] * self.settings.num_speculative_tokens]
         self._stale = False  # drafts seen so far belong to weights that have been replaced
@@ -166,6 +172,8 @@ class AdaptiveSpeculation:
         cost.seconds = seconds if cost.samples == 0 else (1 - alpha) * cost.seconds + alpha * seconds
         cost.samples += 1
         cost.updated = bucket.steps
+        if length == 0:
+            self.profile.observe_plain(batch, seconds)
 
     def _cost(self, bucket_key: int, length: int) -> float:
         cost = self.buckets.get(bucket_key, _Bucket()).costs.get(length)
@@ -205,9 +213,9 @@ class AdaptiveSpeculation:
             return self._lost(key, bucket, value)
         if bucket.steps < bucket.explore_at:
             return self._set(key, bucket, 0, "off")
-        # off: try it where its best case pays; cost ratios grow with the batch size, so a bucket not measured
-        # yet costs at least what the nearest smaller measured bucket costs
-        ratio = own if not math.isnan(own) else self._smaller_ratio(key)
+        # off: try it where its best case pays; a bucket not measured yet costs what the plain steps predict, and at
+        # least what the nearest smaller measured bucket costs (cost ratios grow with the batch size)
+        ratio = own if not math.isnan(own) else self._unmeasured_ratio(key, batch)
         tokens = self.expected_tokens(k)
         if self._stale or self.steps - self._last_draft_step > s.max_explore_interval:
             tokens = max(tokens, self._prior_tokens(k))  # weights changed since the last draft: acceptance unknown
@@ -216,10 +224,38 @@ class AdaptiveSpeculation:
             return self._start(key, bucket, k, f"trial (best case {value:.2f}x)")
         return self._set(key, bucket, 0, "off")
 
-    def _smaller_ratio(self, key: int) -> float:
+    def _unmeasured_ratio(self, key: int, batch: int) -> float:
         k = self.settings.num_speculative_tokens
         known = [b for b in self.buckets if b < key and not math.isnan(self.cost_ratio(b, k))]
-        return self.cost_ratio(max(known), k) if known else 1.0
+        smaller = self.cost_ratio(max(known), k) if known else 1.0
+        if not self.profile.plain or batch * (k + 1) > max(self.profile.plain):
+            return smaller  # the plain steps do not cover a verify of this size yet: no prediction beyond them
+        chain = parse_strategy(f"chain:{k}")
+        predicted = self.profile.step_seconds(chain, batch) / self.profile.step_seconds(NONE, batch)
+        return max(smaller, predicted) if math.isfinite(predicted) else smaller
+
+    # ----------------------------------------------------------------- kept between runs
+    def to_dict(self) -> dict:
+        """The measured costs (for the persistent cost cache, :mod:`tlt_trainers.rollout.cost_cache`)."""
+        return {"buckets": {str(key): {str(length): [c.seconds, c.samples] for length, c in bucket.costs.items()
+                                       if c.samples}
+                            for key, bucket in sorted(self.buckets.items())},
+                "profile": self.profile.to_dict()}
+
+    def merge_dict(self, data: dict) -> None:
+        """Start from costs an earlier run measured; entries that do not parse are skipped. The plain reference of
+        each bucket is re-measured before it is compared against (as if ``refresh_steps`` had passed)."""
+        for key, costs in (data.get("buckets") or {}).items():
+            for length, value in (costs or {}).items() if isinstance(costs, dict) else ():
+                try:
+                    key_, length_, seconds, samples = int(key), int(length), float(value[0]), int(value[1])
+                except (TypeError, ValueError, IndexError):
+                    continue
+                if key_ >= 1 and 0 <= length_ and math.isfinite(seconds) and seconds > 0 and samples >= 1:
+                    bucket = self.buckets.setdefault(key_, _Bucket())
+                    bucket.costs[length_] = _Cost(seconds, samples, -self.settings.refresh_steps - 1)
+        if isinstance(data.get("profile"), dict):
+            self.profile.merge_dict(data["profile"])
 
     def _prior_tokens(self, length: int) -> float:
         prior = self.settings.prior_accepted_per_position

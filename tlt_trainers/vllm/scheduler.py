@@ -28,16 +28,39 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
+import torch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..rollout.cost_cache import load_costs, make_key, model_shape, save_costs
 from .schedule import AdaptiveSpeculation, SpeculationSettings, engine_scheduler
 
 logger = logging.getLogger("vllm.tlt_trainers")
 
 CONFIG_KEY = "tlt_speculation"
+COST_SAVE_STEPS = 512
+
+
+def vllm_cost_key(vllm_config) -> dict:
+    """What vLLM's step costs depend on: the policy, the draft model and method, the dtype, the device, vLLM's
+    version (and the rest of :func:`~tlt_trainers.rollout.cost_cache.make_key`)."""
+    import vllm
+
+    model = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    policy = {"model": str(model.model), "architectures": list(getattr(model.hf_config, "architectures", None) or []),
+              **model_shape(model.hf_text_config)}
+    drafter = None
+    if spec is not None:
+        drafter = {"method": str(spec.method), "num_speculative_tokens": spec.num_speculative_tokens}
+        if spec.draft_model_config is not None:
+            drafter.update(model_shape(spec.draft_model_config.hf_config))
+    device = torch.device(vllm_config.device_config.device_type)
+    return make_key("vllm", device, model.dtype, policy, drafter, vllm=vllm.__version__,
+                    enforce_eager=bool(model.enforce_eager))
 
 
 class _AdaptiveSpeculationMixin:
@@ -56,6 +79,15 @@ class _AdaptiveSpeculationMixin:
             raise ValueError(f"additional_config[{CONFIG_KEY!r}] has num_speculative_tokens="
                              f"{settings['num_speculative_tokens']} but the engine drafts {self.num_spec_tokens}.")
         self.tlt_speculation = AdaptiveSpeculation(SpeculationSettings(**settings))
+        self._tlt_cost_key = None
+        self._tlt_saved_at = 0
+        if self.tlt_speculation.settings.cost_cache != "off":
+            self._tlt_cost_key = vllm_cost_key(self.vllm_config)
+            stored = load_costs(self._tlt_cost_key, self._tlt_cost_dir())
+            if stored:
+                self.tlt_speculation.merge_dict(stored)
+                logger.info("tlt speculation: starting from the costs an earlier run measured (%d buckets)",
+                            len(self.tlt_speculation.buckets))
         self._tlt_pending: dict[int, tuple[float, int, int]] = {}  # id(output) -> (scheduled at, batch, length)
         self._tlt_last_update = None
         self._tlt_step_drafts = [0, [0] * int(self.num_spec_tokens)]
@@ -118,9 +150,24 @@ class _AdaptiveSpeculationMixin:
         self.tlt_speculation.note_weights_may_have_changed()
         return super().reset_prefix_cache(*args, **kwargs)
 
+    # ---------------------------------------------------------------- kept between runs
+    def _tlt_cost_dir(self) -> Path | None:
+        setting = self.tlt_speculation.settings.cost_cache
+        return None if setting == "auto" else Path(setting).expanduser()
+
+    def _tlt_save_costs(self) -> None:
+        """Store the measured costs for the next engine on this machine: after each change of the schedule and
+        every ``COST_SAVE_STEPS`` steps (the scheduler sees no end of a run)."""
+        if self._tlt_cost_key is None:
+            return
+        self._tlt_saved_at = self.tlt_speculation.steps
+        save_costs(self._tlt_cost_key, self.tlt_speculation.to_dict(), self._tlt_cost_dir())
+
     # ---------------------------------------------------------------- reporting
     def _tlt_log_decisions(self) -> None:
         decisions = self.tlt_speculation.decisions
+        if len(decisions) > self._tlt_logged or self.tlt_speculation.steps - self._tlt_saved_at >= COST_SAVE_STEPS:
+            self._tlt_save_costs()
         for decision in decisions[self._tlt_logged:]:
             logger.info("tlt speculation: batch bucket <=%d -> %d draft tokens (%s; %.2f tokens per verify step over "
                         "%d drafts, cost ratio %.2f)", decision["bucket"], decision["length"], decision["reason"],
