@@ -277,9 +277,10 @@ def main() -> None:
         results[name] = run(cls, name, options, dataset)
     summaries = {name: summarize(result, options.skip_steps) for name, result in results.items()}
     step_ratio = rollout_ratio = None
+    steps_text = None
     if len(results) == 2:
-        text = table(summaries) + "\n\n" + step_table(results)
-        print(text)
+        text, steps_text = table(summaries), step_table(results)
+        print(text + "\n\n" + steps_text)
         step_ratio = summaries["stock"]["step_seconds"] / summaries["tlt"]["step_seconds"]
         rollout_ratio = summaries["stock"]["rollout_seconds"] / summaries["tlt"]["rollout_seconds"]
         print(f"\nend-to-end step time: stock / TLT = {step_ratio:.3f}; rollout time: stock / TLT = "
@@ -297,7 +298,7 @@ def main() -> None:
                            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                            "threads": torch.get_num_threads()},
                "summary": summaries, "step_time_ratio": step_ratio, "rollout_time_ratio": rollout_ratio,
-               "runs": results, "table": text}
+               "runs": results, "table": text, "step_table": steps_text}
     (out / "reproduce.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out / 'reproduce.json'} and {out / 'reproduce.png'}")
 
