@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from .config import TLTConfig
-from .drafter import Drafter, Eagle3Drafter, EagleDrafter, EagleDrafterConfig
+from .drafter import BlockDrafter, Drafter, Eagle3Drafter, EagleDrafter, EagleDrafterConfig
 from .rollout import GenerationResult, GenerationStats, SpeculativeGenerator
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "Drafter",
     "EagleDrafter",
     "Eagle3Drafter",
+    "BlockDrafter",
     "EagleDrafterConfig",
     "SpeculativeGenerator",
     "GenerationResult",

@@ -12,6 +12,14 @@ SPECULATION_MODES = ("adaptive", "always", "never")
 DEFAULT_STRATEGIES = ("chain:1", "chain:2", "chain:4", "tree:4x2:8", "tree:6x4:16", "tree:8x4:32", "tree:8x4:48")
 # Proposals from rollout history: alone (no drafter compute) and as one more branch of a drafter tree.
 DEFAULT_HISTORY_STRATEGIES = ("history:8", "tree:6x4:16+history:8")
+# A block drafter's arms: blocks of 1, 2, 4 drafts and its whole block (one drafter pass each).
+DEFAULT_BLOCK_DRAFTS = (1, 2, 4)
+
+
+def default_block_strategies(block_size: int) -> list[str]:
+    """``block:K`` for K in 1, 2, 4 and the drafter's whole block (``block_size - 1`` drafts)."""
+    most = block_size - 1
+    return [f"block:{k}" for k in sorted({k for k in DEFAULT_BLOCK_DRAFTS if k < most} | {most})]
 
 
 @dataclass
@@ -49,15 +57,17 @@ class TLTConfig:
         default=None,
         metadata={"help": "With speculation='always', the strategy of every step: 'chain:K' (K drafted tokens), "
                   "'tree:DxW:N' (a draft tree of depth D, width W, N verified nodes), 'history:K' (K tokens from "
-                  "rollout history, no drafter) or 'tree:DxW:N+history:K'. Default: a chain of "
-                  "num_speculative_tokens or default_num_speculative_tokens."},
+                  "rollout history, no drafter), 'tree:DxW:N+history:K', or with a block drafter 'block:K' (K "
+                  "drafts from one drafter pass). Default: a chain of num_speculative_tokens or "
+                  "default_num_speculative_tokens; with a block drafter, a block of num_speculative_tokens or of "
+                  "its whole block."},
     )
     strategies: tuple[str, ...] | None = field(
         default=None,
         metadata={"help": "With speculation='adaptive', the strategies (as in strategy) the selector chooses among "
                   f"besides plain decoding. Default: {', '.join(DEFAULT_STRATEGIES)}, and with history_drafting "
-                  f"{', '.join(DEFAULT_HISTORY_STRATEGIES)}; only the fixed chain when num_speculative_tokens is "
-                  "set."},
+                  f"{', '.join(DEFAULT_HISTORY_STRATEGIES)}; with a block drafter block:1, block:2, block:4 and its "
+                  "whole block (and history:8); only the fixed chain (block) when num_speculative_tokens is set."},
     )
     history_drafting: bool = field(
         default=True,
@@ -136,25 +146,40 @@ class TLTConfig:
             raise ValueError("TLTConfig.selector_window must be >= 1 and exploration >= 0.")
         if not isinstance(self.cost_cache, str) or not self.cost_cache:
             raise ValueError(f"TLTConfig.cost_cache={self.cost_cache!r} must be 'auto', 'off' or a directory.")
-        self.speculation_strategies()  # parse errors surface at construction
+        self._strategies(True, None, check_drafter=False)  # parse errors surface at construction
 
     @property
     def chain_length(self) -> int:
         """The number of draft tokens proposed per row and step by the default chain."""
         return self.num_speculative_tokens or self.default_num_speculative_tokens
 
-    def speculation_strategies(self, has_drafter: bool = True) -> list[Strategy]:
-        """The strategies this config may use: the fixed one ('always') or the selector's arms ('adaptive')."""
+    def speculation_strategies(self, has_drafter: bool = True, block_size: int | None = None) -> list[Strategy]:
+        """The strategies this config may use: the fixed one ('always') or the selector's arms ('adaptive').
+
+        ``block_size``: the engine's drafter is a block drafter of that size, which drafts with ``block:K`` (K <
+        ``block_size``) where an EAGLE drafter drafts chains and trees.
+        """
+        return self._strategies(has_drafter, block_size, check_drafter=True)
+
+    def _strategies(self, has_drafter: bool, block_size: int | None, check_drafter: bool) -> list[Strategy]:
         if self.speculation == "never":
             return []
+        block = block_size is not None
         if self.speculation == "always":
-            default = f"chain:{self.chain_length}" if has_drafter else f"history:{self.chain_length}"
-            arms = [parse_strategy(self.strategy or default)]
+            if self.strategy:
+                default = self.strategy
+            elif block:
+                default = f"block:{self.num_speculative_tokens or block_size - 1}"
+            else:
+                default = f"chain:{self.chain_length}" if has_drafter else f"history:{self.chain_length}"
+            arms = [parse_strategy(default)]
         else:
             if self.strategies is not None:
                 names = list(self.strategies)
             elif self.num_speculative_tokens is not None:
-                names = [f"chain:{self.num_speculative_tokens}"]
+                names = [f"{'block' if block else 'chain'}:{self.num_speculative_tokens}"]
+            elif block:
+                names = default_block_strategies(block_size) + (["history:8"] if self.history_drafting else [])
             else:
                 names = list(DEFAULT_STRATEGIES) + (list(DEFAULT_HISTORY_STRATEGIES) if self.history_drafting else [])
             arms = [parse_strategy(name) for name in names]
@@ -173,5 +198,15 @@ class TLTConfig:
                 raise ValueError(f"Strategy {arm.name!r} needs a drafter: pass one, or use 'history:K'.")
             if arm.history_tokens and not self.history_drafting:
                 raise ValueError(f"Strategy {arm.name!r} proposes from history but history_drafting is False.")
+            if not (check_drafter and arm.uses_drafter):
+                continue
+            if block and not arm.uses_block_drafter:
+                raise ValueError(f"Strategy {arm.name!r} drafts token by token with an EAGLE drafter, but the engine's "
+                                 f"drafter is a block drafter: use 'block:K' (K <= {block_size - 1}).")
+            if block and arm.depth > block_size - 1:
+                raise ValueError(f"Strategy {arm.name!r} drafts more than the block drafter's {block_size - 1} masked "
+                                 f"slots: use 'block:K' with K <= {block_size - 1}.")
+            if not block and arm.uses_block_drafter:
+                raise ValueError(f"Strategy {arm.name!r} needs a block drafter (BlockDrafter); the engine's drafter "
+                                 "drafts token by token: use 'chain:K' or a tree.")
         return arms
-

@@ -30,7 +30,7 @@ from typing import Any
 
 from .config import TLTConfig
 
-DRAFTER_ARCHITECTURES = ("auto", "eagle3", "eagle")
+DRAFTER_ARCHITECTURES = ("auto", "eagle3", "eagle", "block")
 
 @dataclass
 class DrafterSettings:
@@ -52,7 +52,9 @@ class DrafterSettings:
                   "layer of the policy and predicts tokens with its own head: EAGLE-3), 'eagle' (reads the last "
                   "hidden state: EAGLE-1), or 'auto': EAGLE-3 where the policy has at least 6 layers and the "
                   "rollout engine serves it (TLT's engine, TRL's colocated vLLM; TRL's vLLM server mode and veRL's "
-                  "vLLM rollout serve EAGLE-1), else EAGLE-1. A loaded drafter keeps its own architecture."},
+                  "vLLM rollout serve EAGLE-1), else EAGLE-1; 'block': a block drafter (DFlash: a whole block of "
+                  "drafts from one pass over the policy's fused layers; TLT's engine only). A loaded drafter keeps "
+                  "its own architecture."},
     )
     draft_vocab_size: int | None = field(
         default=None,

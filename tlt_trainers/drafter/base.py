@@ -1,10 +1,12 @@
 """The interface every drafter implements: what the engine, the proposers and the cost profile call.
 
-A drafter reads the policy's features (hidden states the verify passes produce anyway) and the tokens that
-followed them, predicts its next feature, and scores tokens over its draft vocabulary. EAGLE-1
+A drafter reads the policy's features (hidden states the verify passes produce anyway) and scores tokens over its
+draft vocabulary. Autoregressive drafters (:class:`AutoregressiveDrafter`) read the tokens that followed the
+features, predict their next feature and draft one token per pass: EAGLE-1
 (:class:`~tlt_trainers.drafter.eagle.EagleDrafter`: the policy's last hidden state in, the policy's LM head out)
-and EAGLE-3 (:class:`~tlt_trainers.drafter.eagle3.Eagle3Drafter`: low, middle and high layers fused, its own head)
-both implement it, so the engine and the online trainer take either without knowing which.
+and EAGLE-3 (:class:`~tlt_trainers.drafter.eagle3.Eagle3Drafter`: low, middle and high layers fused, its own head),
+which the engine and the online trainer take without knowing which. A block drafter
+(:class:`~tlt_trainers.drafter.block.BlockDrafter`, DFlash) drafts a whole block in one pass.
 
 What every drafter shares lives here too: the binding to the policy's embedding (held by reference, never a
 parameter of the drafter), the draft vocabulary, and save/load/push, which dispatch on ``config.architecture``.
@@ -96,27 +98,18 @@ class Drafter(nn.Module, ABC):
         return self.config.draft_vocab_size if self.config.uses_draft_vocab else self.config.vocab_size
 
     @abstractmethod
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None = None, kv: RowKV | None = None, slots: torch.Tensor | None = None,
-                kv_len: int | None = None) -> torch.Tensor:
-        """Predicted features [B, q, H] from features ``hidden`` [B, q, F] (or its own predictions [B, q, H]) and
-        the tokens that followed them.
-
-        ``mask`` is additive [B, 1, q, kv]; with ``kv`` the new keys are written at ``slots`` [B, q].
-        """
-
-    @abstractmethod
-    def forward_unrolled(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                         valid: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """Training-time test: predictions [B, L, H] at each of ``depth`` chained draft steps (see EagleDrafter)."""
-
-    @abstractmethod
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary for predicted features [..., H]."""
 
     def new_kv(self, capacity: int) -> RowKV:
         """An empty per-row KV cache of ``capacity`` slots for the drafter's own attention."""
         return RowKV(capacity)
+
+    @property
+    def drafts_blocks(self) -> bool:
+        """Whether one pass drafts a whole block (:class:`~tlt_trainers.drafter.block.BlockDrafter`: strategies
+        ``block:K``) rather than one token (EAGLE: ``chain:K`` and trees)."""
+        return False
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> the policy's token ids."""
@@ -278,6 +271,13 @@ class Drafter(nn.Module, ABC):
         ``export_kwargs`` go to the exporter (``num_speculative_tokens``, ``full_vocab_head``, ``dtype``, ...)."""
         if layout not in EXPORT_LAYOUTS:
             raise ValueError(f"layout={layout!r}: choose one of {EXPORT_LAYOUTS} ('tlt' is save_pretrained).")
+        if self.drafts_blocks:
+            from .export_block import export_block_vllm
+
+            if layout == "sglang":
+                raise ValueError("A BlockDrafter exports to vLLM's DFlash layout: pass layout='vllm' (SGLang's DFlash "
+                                 "loader reads the same folder).")
+            return export_block_vllm(self, out_dir, verifier_name_or_path, **export_kwargs)
         from .export import export_sglang, export_vllm
         from .export_eagle3 import export_eagle3_sglang, export_eagle3_vllm
 
@@ -324,3 +324,23 @@ class Drafter(nn.Module, ABC):
             info = api.upload_folder(repo_id=repo_id, folder_path=tmp,
                                      commit_message=commit_message or f"Upload {self.config.architecture} ({layout})")
         return str(info)
+
+
+class AutoregressiveDrafter(Drafter):
+    """A drafter that drafts one token per pass, reading its own prediction for the next (EAGLE-1, EAGLE-3):
+    chains and trees of drafts, trained with training-time test."""
+
+    @abstractmethod
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None, kv: RowKV | None = None, slots: torch.Tensor | None = None,
+                kv_len: int | None = None) -> torch.Tensor:
+        """Predicted features [B, q, H] from features ``hidden`` [B, q, F] (or its own predictions [B, q, H]) and
+        the tokens that followed them.
+
+        ``mask`` is additive [B, 1, q, kv]; with ``kv`` the new keys are written at ``slots`` [B, q].
+        """
+
+    @abstractmethod
+    def forward_unrolled(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                         valid: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training-time test: predictions [B, L, H] at each of ``depth`` chained draft steps (see EagleDrafter)."""

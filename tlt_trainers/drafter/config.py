@@ -1,4 +1,4 @@
-"""Configuration of an EAGLE-1 or EAGLE-3 drafter, stored as config.json next to its weights."""
+"""Configuration of a drafter (EAGLE-1, EAGLE-3 or a block drafter), stored as config.json next to its weights."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-ARCHITECTURES = ("EagleDrafter", "Eagle3Drafter")
+ARCHITECTURES = ("EagleDrafter", "Eagle3Drafter", "BlockDrafter")
 # Fields added after format 2, left out of config.json while at their defaults.
-_LATER_FIELDS = {"qkv_bias": False, "rope_scaling": None}
+_LATER_FIELDS = {"qkv_bias": False, "rope_scaling": None, "num_hidden_layers": 1, "block_size": None,
+                 "mask_token_id": None}
 
 
 @dataclass
@@ -44,6 +45,12 @@ class EagleDrafterConfig:
     # fused feature relative to the residual branch.
     aux_layer_ids: list[int] | None = None
     norm_before_residual: bool = False
+    # Block drafter (DFlash) only: its decoder layers, the tokens of one block (the last committed token and
+    # ``block_size - 1`` masked slots, drafted in one pass), and the policy token id that names the masked slot in
+    # exports (vLLM substitutes the drafter's own mask embedding for it; the engine never embeds that id).
+    num_hidden_layers: int = 1
+    block_size: int | None = None
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -53,6 +60,22 @@ class EagleDrafterConfig:
             if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
                 raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: an Eagle3Drafter reads three distinct policy "
                                  "layers in increasing order (low, middle, high), as vLLM and SGLang do.")
+        if self.architecture == "BlockDrafter":
+            ids = list(self.aux_layer_ids or [])
+            if not ids or ids != sorted(set(ids)) or ids[0] < 1:
+                raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: a BlockDrafter reads one or more distinct "
+                                 "policy layers in increasing order (the outputs of decoder layers, ids >= 1).")
+            if self.block_size is None or self.block_size < 2:
+                raise ValueError(f"block_size={self.block_size}: a block holds the last committed token and at least "
+                                 "one masked slot (block_size >= 2; DFlash uses 8 to 16).")
+            if self.num_hidden_layers < 1:
+                raise ValueError(f"num_hidden_layers={self.num_hidden_layers} must be >= 1.")
+            if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+                raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1}).")
+        elif self.block_size is not None or self.num_hidden_layers != 1:
+            raise ValueError("block_size and num_hidden_layers are BlockDrafter settings; EAGLE drafters have one "
+                             "layer and draft token by token.")
         if self.qkv_bias and self.architecture != "EagleDrafter":
             raise ValueError("qkv_bias=True is an EAGLE-1 (Qwen2-style) option; EAGLE-3 drafters have no attention "
                              "biases in any layout vLLM or SGLang loads.")

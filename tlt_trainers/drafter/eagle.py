@@ -15,7 +15,7 @@ from torch import nn
 from ..kernels.packed_attention import PackedSequences, packed_ttt_attention
 from ..modeling.kv_cache import RowKV
 from ..modeling.target import apply_logit_transform, compute_dtype, logit_transform, text_config
-from .base import Drafter
+from .base import AutoregressiveDrafter
 from .config import EagleDrafterConfig
 from .rope import inverse_frequencies
 
@@ -192,7 +192,7 @@ def new_drafter(cls, model: nn.Module, extra: dict, overrides: dict):
     return drafter
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(AutoregressiveDrafter):
     """A one-layer EAGLE drafter bound to a policy's embedding and LM head."""
 
     def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):

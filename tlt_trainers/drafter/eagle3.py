@@ -21,7 +21,7 @@ from torch import nn
 
 from ..modeling.kv_cache import RowKV
 from ..modeling.target import text_config
-from .base import Drafter
+from .base import AutoregressiveDrafter
 from .config import EagleDrafterConfig
 from .eagle import DrafterAttention, DrafterMLP, RMSNorm, new_drafter, unroll
 
@@ -36,49 +36,12 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return layers if len(set(layers)) == 3 and layers == sorted(layers) else [1, num_layers // 2, num_layers - 1]
 
 
-class Eagle3Layer(nn.Module):
-    """The drafter's decoder layer (vLLM's ``midlayer``): attention over [embedding; feature], then the MLP."""
+class OwnHead:
+    """A drafter with its own final ``norm`` and ``lm_head`` over the draft vocabulary, which start as the policy's
+    final norm and head rows (EAGLE-3 and block drafters)."""
 
-    def __init__(self, config: EagleDrafterConfig):
-        super().__init__()
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = DrafterAttention(config, input_size=2 * h)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = DrafterMLP(config)
-        self.norm_before_residual = config.norm_before_residual
-
-    def forward(self, embedded: torch.Tensor, feature: torch.Tensor, attend) -> torch.Tensor:
-        """The layer's output before the final norm (the next draft step's feature); ``attend(x)`` runs the
-        attention on its 2H input."""
-        normed = self.hidden_norm(feature)
-        residual = normed if self.norm_before_residual else feature
-        x = residual + attend(torch.cat([self.input_layernorm(embedded), normed], dim=-1))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Eagle3Drafter(Drafter):
-    """An EAGLE-3 drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
-
-    def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
-        super().__init__(config)
-        h = config.hidden_size
-        self.fc = nn.Linear(len(config.aux_layer_ids) * h, h, bias=False)
-        self.midlayer = Eagle3Layer(config)
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
-        if target is not None:
-            self.bind(target)
-
-    @classmethod
-    def from_target(cls, model: nn.Module, aux_layer_ids: list[int] | None = None, **overrides) -> Eagle3Drafter:
-        """A fresh drafter for ``model``: norm and head start as the policy's final norm and LM head (rows of the
-        draft vocabulary), the layer as random. ``overrides`` set any EagleDrafterConfig field."""
-        layers = list(aux_layer_ids) if aux_layer_ids else default_aux_layers(text_config(model).num_hidden_layers)
-        drafter = new_drafter(cls, model, {"aux_layer_ids": layers}, overrides)
-        drafter.init_from_policy(model)
-        return drafter
+    norm: RMSNorm
+    lm_head: nn.Linear
 
     def init_from_policy(self, model: nn.Module) -> None:
         """Copy the policy's final norm weight and the LM head rows of the draft vocabulary into the drafter."""
@@ -105,6 +68,59 @@ class Eagle3Drafter(Drafter):
             kept = old_ids[position] == self.d2t
             rows[kept] = old_rows[position[kept]]
             self.lm_head.weight.copy_(rows)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
+        return F.linear(*self.head_inputs(predicted)).to(torch.float32)
+
+    def head_inputs(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, W) with ``logits = x @ W.T``: what a fused linear cross-entropy needs instead of the logits."""
+        return self.norm(predicted), self.lm_head.weight
+
+
+class Eagle3Layer(nn.Module):
+    """The drafter's decoder layer (vLLM's ``midlayer``): attention over [embedding; feature], then the MLP."""
+
+    def __init__(self, config: EagleDrafterConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config, input_size=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = DrafterMLP(config)
+        self.norm_before_residual = config.norm_before_residual
+
+    def forward(self, embedded: torch.Tensor, feature: torch.Tensor, attend) -> torch.Tensor:
+        """The layer's output before the final norm (the next draft step's feature); ``attend(x)`` runs the
+        attention on its 2H input."""
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature
+        x = residual + attend(torch.cat([self.input_layernorm(embedded), normed], dim=-1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Drafter(OwnHead, AutoregressiveDrafter):
+    """An EAGLE-3 drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
+
+    def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
+        super().__init__(config)
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * h, h, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        if target is not None:
+            self.bind(target)
+
+    @classmethod
+    def from_target(cls, model: nn.Module, aux_layer_ids: list[int] | None = None, **overrides) -> Eagle3Drafter:
+        """A fresh drafter for ``model``: norm and head start as the policy's final norm and LM head (rows of the
+        draft vocabulary), the layer as random. ``overrides`` set any EagleDrafterConfig field."""
+        layers = list(aux_layer_ids) if aux_layer_ids else default_aux_layers(text_config(model).num_hidden_layers)
+        drafter = new_drafter(cls, model, {"aux_layer_ids": layers}, overrides)
+        drafter.init_from_policy(model)
+        return drafter
 
     def _check_policy(self, model: nn.Module) -> None:
         layers = text_config(model).num_hidden_layers
@@ -143,11 +159,3 @@ class Eagle3Drafter(Drafter):
         embedded = self.embed(next_tokens).to(hidden.dtype)
         return unroll(self.midlayer.self_attn, lambda features, attend: self.midlayer(embedded, features, attend),
                       self.fuse(hidden), positions, valid, depth)
-
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
-        return F.linear(*self.head_inputs(predicted)).to(torch.float32)
-
-    def head_inputs(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, W) with ``logits = x @ W.T``: what a fused linear cross-entropy needs instead of the logits."""
-        return self.norm(predicted), self.lm_head.weight

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..modeling.target import compute_dtype, text_config
 from .base import Drafter
+from .block import BlockDrafter
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
 from .trainer import DrafterTrainer
@@ -32,8 +33,8 @@ ENGINES = ("tlt", "vllm", "vllm-eagle1")
 
 
 def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> type[Drafter]:
-    """The class of a fresh drafter: ``architecture`` 'eagle3' / 'eagle', or 'auto' (EAGLE-3 where the policy has at
-    least 6 Llama-style layers and ``engine`` serves it; EAGLE-1 elsewhere).
+    """The class of a fresh drafter: ``architecture`` 'eagle3' / 'eagle' / 'block', or 'auto' (EAGLE-3 where the
+    policy has at least 6 Llama-style layers and ``engine`` serves it; EAGLE-1 elsewhere).
 
     ``engine``: 'tlt' (TLT's own engine) and 'vllm' (a colocated vLLM engine, ``VLLMDrafterSync``) serve both;
     'vllm-eagle1' (TRL's vLLM server mode, veRL's vLLM rollout) serves EAGLE-1 only.
@@ -42,6 +43,11 @@ def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> 
         raise ValueError(f"engine={engine!r}: choose one of {ENGINES}.")
     if architecture == "eagle":
         return EagleDrafter
+    if architecture == "block":
+        if engine != "tlt":
+            raise ValueError("drafter_architecture='block' drafts in TLT's own engine; the vLLM rollouts serve EAGLE "
+                             "drafters: set drafter_architecture='auto' or use TLT's engine (use_vllm=False).")
+        return BlockDrafter
     if engine == "vllm-eagle1":
         if architecture == "eagle3":
             raise ValueError("drafter_architecture='eagle3' with this vLLM rollout (TRL's server mode or veRL's vLLM "

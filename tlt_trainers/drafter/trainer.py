@@ -6,7 +6,9 @@ EAGLE-3 (a drafter that predicts tokens only): the cross-entropy alone, against 
 computed once when a sequence enters the buffer (restricted to the draft vocabulary), or against the next token
 itself for rollouts that came without it (the engine's own samples of the policy). With ``unroll_steps > 1`` the
 same loss is applied to chained steps that read the drafter's own predictions (training-time test), so later draft
-positions stay accurate. Only the drafter's own parameters are optimised; the policy runs under no_grad and its
+positions stay accurate. A block drafter (DFlash) trains block-parallel instead: random anchors per sequence, each
+a block of masked slots scored in one pass (:mod:`tlt_trainers.drafter.block_training`). Only the drafter's own
+parameters are optimised; the policy runs under no_grad and its
 embedding and head are read, never written. An EAGLE-3 micro-batch is packed end to end rather than padded to its
 longest sequence (:func:`packs_sequences`): the same loss on real tokens only.
 """
@@ -29,6 +31,7 @@ from ..kernels.packed_attention import PackedSequences, flash_varlen_available
 from ..modeling.features import capture_features
 from ..modeling.target import TargetModel
 from .base import Drafter
+from .block_training import block_loss
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME, EagleDrafterConfig
 from .losses import linear_cross_entropy_sum
@@ -137,6 +140,11 @@ def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> b
     """
     if attention not in ATTENTION_LAYOUTS:
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_LAYOUTS}.")
+    if drafter.drafts_blocks:
+        if attention == "packed":
+            raise ValueError("attention='packed' trains EAGLE-3 drafters; a block drafter trains its blocks padded: "
+                             "pass attention='padded' or 'auto'.")
+        return False
     if attention == "packed" and regresses_features(drafter):
         raise ValueError("attention='packed' trains EAGLE-3 drafters (Eagle3Drafter); EAGLE-1 drafters train "
                          "padded: pass attention='padded' or 'auto'.")
@@ -146,7 +154,12 @@ def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> b
 
 
 class DrafterTrainer:
-    """Trains a drafter (EAGLE-1 or EAGLE-3) on rollouts of its policy, kept in a bounded :class:`FeatureBuffer`."""
+    """Trains a drafter (EAGLE-1, EAGLE-3 or a block drafter) on rollouts of its policy, kept in a bounded
+    :class:`FeatureBuffer`.
+
+    ``block_anchors``: blocks per sequence and micro-step of a block drafter's training, ``block_gamma`` the decay of
+    its slots' loss weights (default: half the block).
+    """
 
     def __init__(
         self,
@@ -167,9 +180,13 @@ class DrafterTrainer:
         precision: str = "auto",
         loss_chunk_size: int = 2048,
         attention: str = "auto",
+        block_anchors: int = 32,
+        block_gamma: float | None = None,
     ):
         if unroll_steps < 1:
             raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
+        if block_anchors < 1 or (block_gamma is not None and block_gamma <= 0):
+            raise ValueError(f"block_anchors={block_anchors} must be >= 1 and block_gamma={block_gamma} > 0.")
         self.drafter, self.model = drafter, model
         self.target = TargetModel(model)
         drafter.ensure_bound(model)  # train against this policy's head, whatever it was bound to before
@@ -178,6 +195,7 @@ class DrafterTrainer:
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
         self.unroll_steps, self.unroll_decay = unroll_steps, unroll_decay
+        self.block_anchors, self.block_gamma = block_anchors, block_gamma
         self.buffer = FeatureBuffer(buffer_bytes, max_tokens_per_sequence)
         # bfloat16 autocast of the drafter's forward and backward (the weights and the optimizer stay float32)
         self.autocast_dtype = training_dtype(precision, self.target.device)
@@ -308,6 +326,10 @@ class DrafterTrainer:
 
     def _loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
         """Loss on one micro-batch and its metrics."""
+        if self.drafter.drafts_blocks:
+            return block_loss(self.drafter, batch.hidden, batch.next_tokens, batch.lengths[:, 0], batch.targets,
+                              self._target_to_draft(), self.block_anchors, self.generator, self.block_gamma,
+                              self.loss_chunk_size or 2048)
         if not regresses_features(self.drafter):
             return self._token_loss(batch)
         drafter = self.drafter  # EAGLE-1: always padded (packs_sequences)
@@ -380,6 +402,16 @@ class DrafterTrainer:
                    "top1_by_step": agreement}
         return loss, metrics
 
+    @property
+    def agreement_steps(self) -> int:
+        """Entries of ``top1_by_step``: the unrolled steps, or a block drafter's masked slots."""
+        return self.drafter.max_drafts if self.drafter.drafts_blocks else self.unroll_steps
+
+    @property
+    def chain_length(self) -> int:
+        """Drafts per step that ``estimated_acceptance_length`` assumes: 4, or a block drafter's whole block."""
+        return self.drafter.max_drafts if self.drafter.drafts_blocks else 4
+
     def _target_to_draft(self) -> torch.Tensor:
         """The drafter's policy-id -> draft-id map, rebuilt only when its draft vocabulary changes."""
         d2t = self.drafter.d2t
@@ -398,7 +430,8 @@ class DrafterTrainer:
 
         With no budget at all, one pass's worth of micro-steps over the buffer. Returns metrics averaged over
         the micro-steps of this call: loss, top-1 agreement with the policy (per unrolled step), the
-        estimated acceptance length of a 4-token chain, ``steps``, ``tokens`` (positions trained) and ``seconds``.
+        estimated acceptance length of a 4-token chain (a block drafter: of its whole block), ``steps``, ``tokens``
+        (positions trained) and ``seconds``.
         """
         start = time.perf_counter()
         if len(self.buffer) == 0:
@@ -411,7 +444,7 @@ class DrafterTrainer:
 
             progress = tqdm(total=max_steps, desc="drafter", unit="step")
         sums: dict[str, float] = {}
-        agreement_sums = [0.0] * self.unroll_steps
+        agreement_sums = [0.0] * self.agreement_steps
         steps = trained_tokens = 0
         self.drafter.train()
         try:
@@ -451,7 +484,7 @@ class DrafterTrainer:
         agreement = [value / steps for value in agreement_sums] if steps else []
         result.update(
             top1_by_step=agreement,
-            estimated_acceptance_length=estimated_acceptance_length(agreement, 4) if steps else nan,
+            estimated_acceptance_length=estimated_acceptance_length(agreement, self.chain_length) if steps else nan,
             steps=steps,
             tokens=trained_tokens,
             total_steps=self.step,
@@ -469,7 +502,7 @@ class DrafterTrainer:
             raise ValueError("Nothing to evaluate: the buffer is empty.")
         was_training = self.drafter.training
         self.drafter.eval()
-        totals, agreement, batches = {}, [0.0] * self.unroll_steps, 0
+        totals, agreement, batches = {}, [0.0] * self.agreement_steps, 0
         for start in range(0, len(sequences), self.micro_batch_size):
             _, metrics = self._loss(self._batch(sequences[start : start + self.micro_batch_size]))
             for key in ("loss", "feature_loss", "token_loss", "top1"):
@@ -480,7 +513,7 @@ class DrafterTrainer:
         self.drafter.train(was_training)
         result = {key: value / batches for key, value in totals.items()}
         result["top1_by_step"] = [value / batches for value in agreement]
-        result["estimated_acceptance_length"] = estimated_acceptance_length(result["top1_by_step"], 4)
+        result["estimated_acceptance_length"] = estimated_acceptance_length(result["top1_by_step"], self.chain_length)
         return result
 
     def train_on_sequences(

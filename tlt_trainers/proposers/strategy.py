@@ -2,6 +2,7 @@
 
 ``none``          plain decoding, one token per row and step;
 ``chain:K``       K drafts sampled from the drafter (rejection sampling against its q);
+``block:K``       K drafts from one pass of a block drafter (DFlash), verified as a chain;
 ``tree:DxW:N``    EAGLE-2 style dynamic tree: D levels, the W best nodes expanded per level into
                   their W best children, the N best nodes overall (by drafted path probability)
                   verified in one pass with tree attention.
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 
 _TREE = re.compile(r"^tree:(\d+)x(\d+):(\d+)$")
 _CHAIN = re.compile(r"^chain:(\d+)$")
+_BLOCK = re.compile(r"^block:(\d+)$")
 _HISTORY = re.compile(r"^history:(\d+)$")
 
 
 @dataclass(frozen=True)
 class Strategy:
-    kind: str  # "none" | "chain" | "tree" | "history"
+    kind: str  # "none" | "chain" | "block" | "tree" | "history"
     depth: int = 0  # model-drafter levels (chain length for chains)
     width: int = 1  # nodes expanded per level and children per node (trees)
     num_nodes: int = 0  # model-drafted candidates verified per row (excluding the root)
@@ -37,8 +39,8 @@ class Strategy:
     def name(self) -> str:
         if self.kind == "none":
             return "none"
-        if self.kind == "chain":
-            return f"chain:{self.depth}"
+        if self.kind in ("chain", "block"):
+            return f"{self.kind}:{self.depth}"
         if self.kind == "history":
             return f"history:{self.history_tokens}"
         tree = f"tree:{self.depth}x{self.width}:{self.num_nodes}"
@@ -46,11 +48,17 @@ class Strategy:
 
     @property
     def uses_drafter(self) -> bool:
-        return self.kind in ("chain", "tree")
+        return self.kind in ("chain", "block", "tree")
+
+    @property
+    def uses_block_drafter(self) -> bool:
+        """Drafted by a block drafter (``block:K``); ``chain`` and ``tree`` need an autoregressive (EAGLE) one."""
+        return self.kind == "block"
 
     @property
     def proposer(self) -> str | None:
-        """The proposer that drafts for this strategy: "chain", "tree", "history", "tree+history" (None: plain)."""
+        """The proposer that drafts for this strategy: "chain", "block", "tree", "history", "tree+history" (None:
+        plain)."""
         if self.kind == "none":
             return None
         return "tree+history" if self.kind == "tree" and self.history_tokens else self.kind
@@ -62,10 +70,10 @@ class Strategy:
         return max(self.num_nodes + self.history_tokens, (self.depth - 1) * self.width)
 
     def capped(self, remaining: int) -> Strategy:
-        """This strategy for a step where at most ``remaining`` more tokens may be emitted: a chain drafts no more
-        than ``remaining - 1`` (trees and history are cut at commit, their width is what they verify)."""
-        if self.kind == "chain" and self.depth >= remaining:
-            return Strategy("chain", depth=remaining - 1, num_nodes=remaining - 1)
+        """This strategy for a step where at most ``remaining`` more tokens may be emitted: a chain or block drafts
+        no more than ``remaining - 1`` (trees and history are cut at commit, their width is what they verify)."""
+        if self.kind in ("chain", "block") and self.depth >= remaining:
+            return Strategy(self.kind, depth=remaining - 1, num_nodes=remaining - 1)
         return self
 
     @property
@@ -124,11 +132,12 @@ def parse_strategy(name: str) -> Strategy:
         if k < 1:
             raise ValueError(f"Strategy {name!r}: history needs at least 1 proposed token.")
         return Strategy("history", history_tokens=k)
-    if match := _CHAIN.match(text):
+    if match := _CHAIN.match(text) or _BLOCK.match(text):
         k = int(match.group(1))
+        kind = text.partition(":")[0]
         if k < 1:
-            raise ValueError(f"Strategy {name!r}: a chain needs at least 1 draft token.")
-        return Strategy("chain", depth=k, width=1, num_nodes=k)
+            raise ValueError(f"Strategy {name!r}: a {kind} needs at least 1 draft token.")
+        return Strategy(kind, depth=k, width=1, num_nodes=k)
     if match := _TREE.match(text):
         depth, width, nodes = (int(g) for g in match.groups())
         if depth < 1 or width < 1:
@@ -142,8 +151,8 @@ def parse_strategy(name: str) -> Strategy:
         return Strategy("tree", depth=depth, width=width, num_nodes=nodes)
     raise ValueError(
         f"Unknown speculation strategy {name!r}; use 'none', 'chain:K' (e.g. 'chain:4'), 'tree:DxW:N' "
-        "(e.g. 'tree:8x4:48': depth 8, top-4 expansion, 48 verified tokens), 'history:K' or "
-        "'tree:DxW:N+history:K'."
+        "(e.g. 'tree:8x4:48': depth 8, top-4 expansion, 48 verified tokens), 'history:K', "
+        "'tree:DxW:N+history:K' or, with a block drafter, 'block:K' (K drafts from one pass)."
     )
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..modeling.kv_cache import RowKV, RowState, WritePlan, additive_mask, attention_allowed
+from ..modeling.kv_cache import RowState, WritePlan, additive_mask, attention_allowed
 from ..proposers.strategy import Strategy
 
 
@@ -168,6 +168,8 @@ class CostProfile:
         catch_up = self.drafter_seconds(batch, 1)
         if strategy.kind == "chain":
             return verify + strategy.depth * catch_up
+        if strategy.kind == "block":  # the context of the committed tokens, then one pass over the block
+            return verify + catch_up + self.drafter_seconds(batch, strategy.depth + 1)
         return verify + catch_up + (strategy.depth - 1) * self.drafter_seconds(batch, strategy.width)
 
     def to_dict(self) -> dict:
@@ -246,17 +248,32 @@ def _draft_runs(target, drafter, batch: int, widths: list[int], context: int) ->
     """One drafter pass over ``width`` tokens per row (and its top-k), per width."""
     device = target.device
     state = _rows_at(batch, context, device)
-    kv = RowKV(context + max(widths) + 1)
+    kv = drafter.new_kv(context + max(widths) + 1)
     runs = {}
     for width in widths:
         slots = context + torch.arange(width, device=device).expand(batch, -1)
-        mask = additive_mask(attention_allowed(state, slots, context + width), target.dtype)
-        hidden = torch.zeros(batch, width, drafter.feature_size, dtype=target.dtype, device=device)
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        if drafter.drafts_blocks:  # a block over the context (a width of 1: the context of one committed token)
+            allowed = (torch.arange(context + width, device=device) < context + width).expand(batch, width, -1)
+            mask = additive_mask(allowed, target.dtype)
+            features = torch.zeros(batch, context, drafter.feature_size, dtype=target.dtype, device=device)
+            context_slots = torch.arange(context, device=device).expand(batch, -1)
+            drafter.write_context(features, context_slots, kv, context_slots)
+            one = features[:, :1]
 
-        def run(hidden=hidden, tokens=tokens, slots=slots, mask=mask, width=width):
-            out = drafter(hidden, tokens, slots, mask, kv, slots, context + width)
-            torch.log_softmax(drafter.logits(out), dim=-1).topk(max(widths), dim=-1)
+            def run(tokens=tokens, slots=slots, mask=mask, width=width, one=one):
+                if width == 1:
+                    drafter.write_context(one, slots, kv, slots)
+                    return
+                out = drafter.draft(tokens[:, 0], slots, mask, kv, slots)
+                torch.softmax(drafter.logits(out[:, 1:]), dim=-1)
+        else:
+            mask = additive_mask(attention_allowed(state, slots, context + width), target.dtype)
+            hidden = torch.zeros(batch, width, drafter.feature_size, dtype=target.dtype, device=device)
+
+            def run(hidden=hidden, tokens=tokens, slots=slots, mask=mask, width=width):
+                out = drafter(hidden, tokens, slots, mask, kv, slots, context + width)
+                torch.log_softmax(drafter.logits(out), dim=-1).topk(max(widths), dim=-1)
 
         runs[width] = run
     runs[widths[0]]()
@@ -283,7 +300,8 @@ def profile_costs(target, drafter, strategies: list[Strategy], batch_sizes: list
     sync = target.device.type == "cuda"
     token_counts = sorted({1} | {s.tokens_per_row for s in strategies}
                           | {w + 1 for s in strategies for w in s.history_widths})
-    widths = sorted({1} | {s.width for s in strategies if s.kind == "tree"})
+    widths = sorted({1} | {s.width for s in strategies if s.kind == "tree"}
+                    | {s.depth + 1 for s in strategies if s.kind == "block"})
     verify: dict[tuple[int, int], float] = {}
     draft: dict[tuple[int, int], float] = {}
     measured: dict[int, list[int]] = {}

@@ -81,7 +81,8 @@ class SpeculativeGenerator:
         if drafter is not None:
             drafter.ensure_bound(model)
         self.drafter = drafter
-        self.strategies = self.config.speculation_strategies(has_drafter=drafter is not None)
+        block_size = drafter.block_size if drafter is not None and drafter.drafts_blocks else None
+        self.strategies = self.config.speculation_strategies(has_drafter=drafter is not None, block_size=block_size)
         self.rollout_history: RolloutHistory | None = None
         if any(s.history_tokens for s in self.strategies):
             self.rollout_history = RolloutHistory(max_tokens=self.config.history_max_tokens,

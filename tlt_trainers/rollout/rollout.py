@@ -16,6 +16,7 @@ import torch
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowState, WritePlan
 from ..modeling.rows import ActiveRows
+from ..proposers.block import BlockProposer
 from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
 from ..proposers.history import HistoryProposer, MergedProposer
 from ..proposers.strategy import NONE, Strategy
@@ -106,8 +107,8 @@ class Rollout:
             draft_kv=drafter.new_kv(self.capacity) if drafter is not None else None,
         )
 
-    def _new_proposers(self, params: SamplingParams, history_keys) -> tuple[dict, DrafterRunner | None,
-                                                                             HistoryProposer | None]:
+    def _new_proposers(self, params: SamplingParams, history_keys) -> tuple[
+            dict, DrafterRunner | BlockProposer | None, HistoryProposer | None]:
         """The proposer of each kind this engine's strategies use, keyed by ``Strategy.proposer``."""
         proposers: dict = {}
         drafting = history = None
@@ -115,9 +116,12 @@ class Rollout:
             # The drafter's q may be any distribution we sample from; without the repetition penalty it needs no
             # per-position history, and verification corrects the difference.
             sampling = DraftSampling(replace(params, repetition_penalty=1.0), self.warpers, self.generator)
-            drafting = DrafterRunner(self.engine.drafter, sampling, self._now)
-            proposers["chain"] = EagleChainProposer(drafting)
-            proposers["tree"] = EagleTreeProposer(drafting)
+            if self.engine.drafter.drafts_blocks:
+                drafting = proposers["block"] = BlockProposer(self.engine.drafter, sampling, self._now)
+            else:
+                drafting = DrafterRunner(self.engine.drafter, sampling, self._now)
+                proposers["chain"] = EagleChainProposer(drafting)
+                proposers["tree"] = EagleTreeProposer(drafting)
         if self.engine.rollout_history is not None:
             history = HistoryProposer(self.engine.rollout_history, history_keys)
             proposers["history"] = history
