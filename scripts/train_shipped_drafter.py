@@ -2,6 +2,8 @@
 
     python scripts/train_shipped_drafter.py sample --prompts 2400      # the policy's answers, with vLLM (plain)
     python scripts/train_shipped_drafter.py train --minutes 40          # EAGLE-3 on them; writes the shipped folder
+    python scripts/train_shipped_drafter.py train --architecture block --minutes 120   # a block drafter (DFlash)
+    python scripts/train_shipped_drafter.py train --architecture block --minutes 60 --resume   # 60 minutes more
     python scripts/train_shipped_drafter.py finish                      # (again) bf16 weights and fingerprint
     python benchmarks/bench_drafters.py --prompts 4 --reps 2            # the one measurement of it
     python scripts/train_shipped_drafter.py card                        # the model card, from that result file
@@ -10,7 +12,10 @@ Data: the embedded policy's sampled answers (temperatures 0.6, 0.8, 1.0, and gre
 20 tasks with two instructions ("think step by step", "only the final answer"), plus general chat requests built
 from templates; held-out prompts (other seeds) are for evaluation (benchmarks/bench_drafters.py). The answers are
 sampled once and cached (``TLT_CACHE_DIR``/shipped-drafter/answers.pt); training takes the policy's features and
-top-k next-token law from one no-grad forward per sequence, then trains for a wall-clock budget.
+top-k next-token law from one no-grad forward per sequence, then trains for a wall-clock budget. A block drafter
+trains into the cache (``TLT_CACHE_DIR``/shipped-drafter/block) unless ``--out`` says otherwise: it ships (a folder
+under ``tlt_trainers/shipped/``) only once ``benchmarks/bench_drafters.py`` shows it beating the EAGLE-3 one. The
+trainer's checkpoint is saved at every report (``--out``/checkpoint), and ``--resume`` continues from it.
 """
 
 from __future__ import annotations
@@ -67,8 +72,23 @@ def sample(args) -> None:
     print(f"{len(sequences)} answers, {answer_tokens} answer tokens in {seconds:.0f}s -> {path}")
 
 
+def new_drafter(args, model):
+    from tlt_trainers import BlockDrafter, Eagle3Drafter
+
+    if args.architecture == "block":
+        return BlockDrafter.from_target(model, block_size=args.block_size, num_hidden_layers=args.layers,
+                                        draft_vocab_size=args.draft_vocab)
+    return Eagle3Drafter.from_target(model, draft_vocab_size=args.draft_vocab)
+
+
+def output_dir(args) -> Path:
+    if args.out:
+        return Path(args.out)
+    return cache_dir() / "block" if args.architecture == "block" else SHIPPED
+
+
 def train(args) -> None:
-    from tlt_trainers import DrafterTrainer, Eagle3Drafter
+    from tlt_trainers import DrafterTrainer
     from tlt_trainers.drafter.buffer import FeatureBuffer
     from tlt_trainers.drafter.trainer import native_bf16
     from tlt_trainers.pretrained import load_smollm2
@@ -77,15 +97,28 @@ def train(args) -> None:
     model, tokenizer = load_smollm2()
     data = torch.load(cache_dir() / "answers.pt")
     sequences = data["sequences"]
+    if args.minutes <= 0:
+        raise SystemExit("--minutes must be > 0.")
+    args.out = str(output_dir(args))
     torch.manual_seed(args.seed)
-    drafter = Eagle3Drafter.from_target(model, draft_vocab_size=args.draft_vocab)
+    drafter = new_drafter(args, model)
     trainer = DrafterTrainer(drafter, model, lr=args.lr, unroll_steps=args.unroll_steps,
                              micro_batch_size=args.micro_batch_size, buffer_bytes=64 << 30,
-                             max_tokens_per_sequence=1024, show_progress=False, seed=args.seed)
-    counts = FeatureBuffer(1 << 20)
-    for seq in sequences:
-        counts._count(seq["tokens"].long())
-    drafter.set_draft_vocab(counts.most_frequent(drafter.draft_vocab_size, drafter.config.vocab_size))
+                             max_tokens_per_sequence=1024, show_progress=False, seed=args.seed,
+                             block_anchors=args.block_anchors)
+    checkpoint = Path(args.out, "checkpoint")
+    previous = {}
+    if args.resume:
+        if not (checkpoint / "trainer_state.json").is_file():
+            raise SystemExit(f"--resume: no checkpoint at {checkpoint}; train without --resume first.")
+        trainer.load_checkpoint(checkpoint)
+        previous = json.loads(Path(args.out, "training.json").read_text())
+        print(f"resumed at step {trainer.step} ({previous['train_seconds'] / 60:.1f} min trained)", flush=True)
+    else:
+        counts = FeatureBuffer(1 << 20)
+        for seq in sequences:
+            counts._count(seq["tokens"].long())
+        drafter.set_draft_vocab(counts.most_frequent(drafter.draft_vocab_size, drafter.config.vocab_size))
     start = time.perf_counter()
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["tokens"]))
     for first in range(0, len(order), 64):
@@ -99,7 +132,8 @@ def train(args) -> None:
             trainer.add_sequences(ids, mask)  # bfloat16 where native: 2x faster, features within bf16 rounding
         print(f"features {first + len(rows)}/{len(order)} sequences, {time.perf_counter() - start:.0f}s", flush=True)
     feature_seconds = time.perf_counter() - start
-    history, trained, tokens = [], 0.0, 0
+    history, trained, tokens = list(previous.get("history", [])), 0.0, 0
+    before, tokens_before = previous.get("train_seconds", 0.0), previous.get("tokens_trained", 0)
     while trained < args.minutes * 60:
         metrics = trainer.train(max_seconds=min(args.report_every, args.minutes * 60 - trained))
         trained += metrics["seconds"]
@@ -108,14 +142,17 @@ def train(args) -> None:
         print(f"{trained / 60:.1f} min, step {trainer.step}: loss {metrics['loss']:.3f} top-1 by step "
               f"{[round(a, 3) for a in metrics['top1_by_step']]} ({metrics['tokens'] / metrics['seconds']:.0f} "
               "tokens/s)", flush=True)
+        trainer.save_checkpoint(checkpoint)
         drafter.save_pretrained(args.out)
-    info = {"answers": len(sequences), "answer_tokens": data["answer_tokens"], "temperatures": list(TEMPERATURES),
-            "feature_seconds": feature_seconds, "train_seconds": trained, "steps": trainer.step,
-            "tokens_trained": tokens, "lr": args.lr, "unroll_steps": args.unroll_steps,
-            "micro_batch_size": args.micro_batch_size, "history": history,
-            "command": "python scripts/train_shipped_drafter.py sample --prompts {} && python scripts/"
-                       "train_shipped_drafter.py train --minutes {}".format(data["prompts"], args.minutes)}
-    Path(args.out, "training.json").write_text(json.dumps(info, indent=2) + "\n")
+        info = {"answers": len(sequences), "answer_tokens": data["answer_tokens"],
+                "temperatures": list(TEMPERATURES), "architecture": args.architecture,
+                "feature_seconds": feature_seconds, "train_seconds": before + trained, "steps": trainer.step,
+                "tokens_trained": tokens_before + tokens, "lr": args.lr, "unroll_steps": args.unroll_steps,
+                "micro_batch_size": args.micro_batch_size, "history": history,
+                "command": "python scripts/train_shipped_drafter.py sample --prompts {} && python scripts/"
+                           "train_shipped_drafter.py train --architecture {} --minutes {:g}".format(
+                               data["prompts"], args.architecture, (before + trained) / 60)}
+        Path(args.out, "training.json").write_text(json.dumps(info, indent=2) + "\n")
     finish(drafter, model, tokenizer, info, args)
 
 
@@ -199,7 +236,12 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=2400)
     p.add_argument("--max-tokens", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("train", help="train the EAGLE-3 drafter on the cached answers")
+    p = sub.add_parser("train", help="train the EAGLE-3 (or block) drafter on the cached answers")
+    p.add_argument("--architecture", choices=["eagle3", "block"], default="eagle3")
+    p.add_argument("--block-size", type=int, default=8, help="block drafter: tokens per block (block_size-1 drafts)")
+    p.add_argument("--layers", type=int, default=2, help="block drafter: decoder layers")
+    p.add_argument("--block-anchors", type=int, default=32, help="block drafter: blocks per sequence and step")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     p.add_argument("--minutes", type=float, default=40.0)
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -207,7 +249,7 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--report-every", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(SHIPPED))
+    p.add_argument("--out", default=None, help="default: the shipped folder (EAGLE-3), the cache (block)")
     p = sub.add_parser("finish", help="round the trained drafter to bfloat16 and save it with its fingerprint")
     p.add_argument("--out", default=str(SHIPPED))
     p = sub.add_parser("card", help="write the model card from benchmarks/results/bench_drafters.json")

@@ -73,8 +73,9 @@ def test_swapping_the_import_keeps_every_log_key(tmp_path, lora):
         assert type(trainer.model).__name__.startswith("Peft")
 
 
-@pytest.mark.parametrize("speculation", ["always", "never"])
-def test_greedy_rollouts_are_identical_to_stock(tmp_path, speculation):
+@pytest.mark.parametrize("speculation,architecture", [("always", "auto"), ("never", "auto"), ("always", "block")],
+                         ids=["always", "never", "block-drafter"])
+def test_greedy_rollouts_are_identical_to_stock(tmp_path, speculation, architecture):
     def recording_reward():
         seen = []
 
@@ -91,7 +92,8 @@ def test_greedy_rollouts_are_identical_to_stock(tmp_path, speculation):
     run(GRPOTrainer, GRPOConfig(**grpo_kwargs(tmp_path / "stock", **greedy)), reward_funcs=stock_reward)
     ours_reward, ours_seen = recording_reward()
     trainer, recorder = run(TLTGRPOTrainer, TLTGRPOConfig(**grpo_kwargs(tmp_path / "tlt", **greedy),
-                                                          speculation=speculation, num_speculative_tokens=3),
+                                                          speculation=speculation, num_speculative_tokens=3,
+                                                          drafter_architecture=architecture),
                             reward_funcs=ours_reward)
     assert len(stock_seen) == len(ours_seen) == 2
     # Every step, not just the first: the policy updates (from identical completions) are identical too.
@@ -101,6 +103,8 @@ def test_greedy_rollouts_are_identical_to_stock(tmp_path, speculation):
         assert drafted == 0 and trainer.drafter is None
     else:
         assert drafted > 0
+        assert (type(trainer.drafter).__name__ == "BlockDrafter") == (architecture == "block")
+        assert trainer.drafter_trainer.step > 0  # trained on the rollouts' features
 
 
 def test_resume_restores_the_drafter(tmp_path):

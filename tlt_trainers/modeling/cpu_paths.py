@@ -105,15 +105,23 @@ class CpuDecodePaths:
 
     def __init__(self, decoder: nn.Module, config):
         self.linears = [m for m in decoder.modules() if type(m) is nn.Linear]
+        # one bound forward per linear, made once (an engine forward enters this context at every step)
+        self._forwards = [partial(_few_row_linear, m) for m in self.linears]
         self.config = config if any(p.device.type == "cpu" for p in decoder.parameters()) else None
         self._patched: list[nn.Linear] = []
         self._previous_attention: str | None = None
 
     def __enter__(self):
-        self._patched = [m for m in self.linears if "forward" not in m.__dict__ and m.weight.device.type == "cpu"
-                         and m.weight.dtype == torch.float32]
-        for module in self._patched:
-            module.forward = partial(_few_row_linear, module)
+        # Through __dict__ and _parameters rather than nn.Module's attribute hooks: this runs for every linear of
+        # the decoder at every step, and the hooks cost a few percent of a batch-1 step of a small model.
+        patched = []
+        for module, forward in zip(self.linears, self._forwards):
+            weight = module._parameters.get("weight")
+            if ("forward" not in module.__dict__ and weight is not None and weight.device.type == "cpu"
+                    and weight.dtype == torch.float32):
+                module.__dict__["forward"] = forward
+                patched.append(module)
+        self._patched = patched
         self._previous_attention = None
         if self.config is not None and self.config._attn_implementation == "sdpa":
             self._previous_attention = "sdpa"
