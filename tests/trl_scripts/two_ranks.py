@@ -90,6 +90,8 @@ def main() -> None:
         torch.save(trainer.drafter_trainer.optimizer.state_dict(), out / f"optimizer_rank{rank}.pt")
         result["drafter_step"] = trainer.drafter_trainer.step
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=float))
+    if torch.distributed.is_initialized():  # a torchrun script ends its process group before it exits
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

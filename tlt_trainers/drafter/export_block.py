@@ -69,11 +69,16 @@ def export_block_vllm(
     out_dir: str | os.PathLike,
     verifier_name_or_path: str | nn.Module | None = None,
     *,
+    num_speculative_tokens: int | None = None,
     max_position_embeddings: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``drafter`` in vLLM's DFlash layout; returns the folder. ``verifier_name_or_path``: the policy module
-    (its ``max_position_embeddings`` sizes the drafter's RoPE cache) or its name."""
+    (its ``max_position_embeddings`` sizes the drafter's RoPE cache) or its name. ``num_speculative_tokens`` (what
+    the folder will be served with; vLLM takes it from the speculative config) is only checked against the block."""
+    if num_speculative_tokens is not None and not 1 <= num_speculative_tokens < drafter.config.block_size:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: a block of {drafter.config.block_size} "
+                         f"drafts 1 to {drafter.config.block_size - 1} tokens per pass.")
     if drafter.config.mask_token_id is None:
         raise ValueError("vLLM feeds a block's masked slots as a token id: create the drafter with mask_token_id=... "
                          "(any id the policy never emits, e.g. its pad token).")
@@ -84,7 +89,15 @@ def export_block_vllm(
     out = Path(out_dir)
     _write(out, dflash_config(drafter, verifier_name_or_path, max_position_embeddings, dtype),
            block_weights(drafter, dtype), "dflash")
-    torch.save({"mask_token_id": int(drafter.config.mask_token_id),
-                "embedding": drafter.mask_embedding.detach().to(device="cpu", dtype=dtype).clone()},
-               out / MASK_EMBEDDING_NAME)
+    write_mask_embedding(drafter, out, dtype)
     return out
+
+
+def write_mask_embedding(drafter: BlockDrafter, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """``directory``/mask_embedding.pt (what vLLM's DFlash ``load_weights`` reads), replaced atomically."""
+    file = Path(directory, MASK_EMBEDDING_NAME)
+    tmp = file.with_name(f".{MASK_EMBEDDING_NAME}.tmp")
+    embedding = drafter.mask_embedding.detach().to(device="cpu", dtype=dtype or drafter.mask_embedding.dtype)
+    torch.save({"mask_token_id": int(drafter.config.mask_token_id), "embedding": embedding.clone()}, tmp)
+    os.replace(tmp, file)
+    return file

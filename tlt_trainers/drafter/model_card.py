@@ -74,7 +74,7 @@ def write_model_card(
     ``training``: facts about training (steps, tokens, rollouts, ...), listed as given. ``acceptance_source``: where
     the acceptance figures come from (the command and result file that measured them). Returns the README path.
     """
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCardData
 
     c = drafter.config
     policy = policy_name or c.target_name_or_path
@@ -86,12 +86,14 @@ def write_model_card(
     params = sum(p.numel() for p in drafter.parameters())
     policy_text = f"[`{policy}`](https://huggingface.co/{policy})" if policy else "its policy (name not recorded)"
 
+    block = c.architecture == "BlockDrafter"
     eagle3 = c.architecture == "Eagle3Drafter"
     method, algorithm = ("eagle3", "EAGLE3") if eagle3 else ("eagle", "EAGLE")
     vllm_export, sglang_export = ("export_eagle3_vllm", "export_eagle3_sglang") if eagle3 else ("export_vllm",
                                                                                               "export_sglang")
     module = "tlt_trainers.drafter.export_eagle3" if eagle3 else "tlt_trainers.drafter.export"
     vllm_lines, sglang_lines = [], []
+    export_shown = vllm_model is None  # the snippet exports the drafter first (nothing published yet)
     if vllm_model is None:
         vllm_model = "drafter-vllm"
         full = ", full_vocab_head=True" if c.uses_draft_vocab and not eagle3 else ""
@@ -112,7 +114,21 @@ def write_model_card(
         launch[-1] += " \\"
         launch.append(f"  --speculative-token-map {sglang_model}/hot_token_map.pt")
 
-    if eagle3:
+    if block:
+        method, k = "dflash", min(k, c.block_size - 1)
+        vllm_export, module = "export_block_vllm", "tlt_trainers.drafter.export_block"
+        vllm_lines = [f'drafter.export("{vllm_model}", "vllm", "{policy or "POLICY"}")'] if export_shown else []
+        vllm_lines += ["from vllm import LLM",
+                       f'llm = LLM(model="{policy or "POLICY"}",',
+                       f'          speculative_config={{"method": "dflash", "model": "{vllm_model}", '
+                       f'"num_speculative_tokens": {k}}})']
+        title, paper = "DFlash-style block", "https://github.com/z-lab/dflash"
+        reads = (f"{policy_text}: the drafter reads a fusion of this policy's layers {list(c.aux_layer_ids)} as "
+                 "context and takes its embedding (not stored here); it drafts a block of "
+                 f"{c.block_size - 1} tokens in one pass with its own head.")
+        layout = (f"DFlash (vLLM's `DFlashQwen3ForCausalLM`): `fc` and `hidden_norm` over the fused layers, "
+                  f"{c.num_hidden_layers} Qwen3 decoder layer(s), a learnt mask embedding, its own norm and LM head")
+    elif eagle3:
         title, paper = "EAGLE-3", "https://arxiv.org/abs/2503.01840"
         reads = (f"{policy_text}: the drafter reads a fusion of this policy's hidden states entering layers "
                  f"{list(c.aux_layer_ids)} and takes its embedding (not stored here); it scores tokens with its own "
@@ -124,10 +140,11 @@ def write_model_card(
         reads = (f"{policy_text}: the drafter reads this policy's final hidden states and scores through its "
                  "embedding and LM head (neither is stored here).")
         layout = "EAGLE-1: `fc`(embedding, hidden state), one Llama decoder layer without its input norm"
+    size = f"{c.num_hidden_layers}-layer" if block else "one-layer"
     out = [
         f"# {title} drafter for {policy or 'its policy'}",
         "",
-        f"A one-layer [{title}]({paper}) drafter for lossless speculative decoding, trained with",
+        f"A {size} [{title}]({paper}) drafter for lossless speculative decoding, trained with",
         "tlt-trainers on the policy's own hidden states. It proposes tokens; the policy",
         "verifies them, so what is generated is exactly what the policy alone would generate. A better drafter only",
         "makes it faster.",
@@ -179,6 +196,8 @@ def write_model_card(
     if c.uses_draft_vocab and not eagle3:
         out += ["vLLM's EAGLE-1 drafter has no draft vocabulary: its export drafts over the full vocabulary",
                 "(`full_vocab_head=True`). Outputs are unchanged; drafting costs more than here.", ""]
+    if block:  # vLLM only: SGLang's DFlash loader is not targeted
+        return _save_card(data, out, out_dir)
     out += [f"SGLang (written by `{module}.{sglang_export}`):", ""]
     if sglang_lines:
         out += ["```python", *sglang_lines, "```", ""]
@@ -186,8 +205,13 @@ def write_model_card(
     if c.uses_draft_vocab and not eagle3:
         out += ["The token map keeps the draft vocabulary: without `--speculative-token-map` SGLang would draft over",
                 "the full vocabulary.", ""]
-    body = "\n".join(out)
-    content = f"---\n{data.to_yaml()}\n---\n\n{body}"
+    return _save_card(data, out, out_dir)
+
+
+def _save_card(data, lines: list[str], out_dir: str | Path) -> Path:
+    from huggingface_hub import ModelCard
+
+    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     ModelCard(content).save(path / "README.md")

@@ -44,9 +44,10 @@ def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> 
     if architecture == "eagle":
         return EagleDrafter
     if architecture == "block":
-        if engine != "tlt":
-            raise ValueError("drafter_architecture='block' drafts in TLT's own engine; the vLLM rollouts serve EAGLE "
-                             "drafters: set drafter_architecture='auto' or use TLT's engine (use_vllm=False).")
+        if engine == "vllm-eagle1":
+            raise ValueError("drafter_architecture='block' with this vLLM rollout (TRL's server mode or veRL's vLLM "
+                             "rollout): it serves and reloads EAGLE-1 drafters; use TLT's engine or TRL's colocated "
+                             "vLLM engine (which serves block drafters as vLLM's DFlash).")
         return BlockDrafter
     if engine == "vllm-eagle1":
         if architecture == "eagle3":

@@ -10,6 +10,7 @@ every rank, once per rollout, never inside TRL's (rank-dependent) tool loop.
 
 from __future__ import annotations
 
+import atexit
 import time
 
 import torch
@@ -53,6 +54,14 @@ class RankGroup:
         # A group of our own: an asynchronous collective pending on it cannot interleave with TRL's collectives,
         # and gloo can be polled from the host whatever backend the default group uses.
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        if self.group is not None:  # before the interpreter tears threads down: gloo's must not outlive it
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Destroy the group (at exit; a no-op once the default group, and with it every group, is gone)."""
+        if self.group is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
 
     @property
     def distributed(self) -> bool:

@@ -359,13 +359,15 @@ class TLTGRPOTrainer(GRPOTrainer):
             return
         policy = _policy_of(self.accelerator.unwrap_model(self.model))
         directory = Path(self.args.output_dir) / VLLM_DRAFTER_DIR / f"rank{self.accelerator.process_index}"
-        sync = VLLMDrafterSync(self.drafter, policy, directory=directory,
-                               num_speculative_tokens=self._tlt_config.chain_length,
+        chain = self._tlt_config.chain_length
+        if self.drafter.drafts_blocks:  # vLLM's DFlash drafts up to the block's masked slots
+            chain = min(chain, self.drafter.max_drafts)
+        sync = VLLMDrafterSync(self.drafter, policy, directory=directory, num_speculative_tokens=chain,
                                full_vocab_head=self.drafter.config.uses_draft_vocab)
         # speculation="adaptive": TLT's scheduler chooses each step's draft length from the engine's measured costs
         # and live acceptance; "always": the chain at every step (up to max_speculative_batch_size, where set).
         settings = {"cost_cache": self._tlt_config.cost_cache} if self._tlt_config.speculation == "adaptive" else {}
-        spec_extra, engine_extra = speculation_schedule(self._tlt_config.speculation, self._tlt_config.chain_length,
+        spec_extra, engine_extra = speculation_schedule(self._tlt_config.speculation, chain,
                                                         self._tlt_config.max_speculative_batch_size, **settings)
         self.vllm_generation.start(sync, engine_extra, **spec_extra)
         self._tlt_vllm_sync, self._tlt_vllm_serves_drafter = sync, True

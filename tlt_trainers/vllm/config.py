@@ -22,14 +22,23 @@ _EXPORT_HINT = (
 
 def read_drafter_export(drafter_dir: str | os.PathLike) -> dict:
     """The config of a drafter export vLLM serves, checked: an :func:`~tlt_trainers.drafter.export.export_vllm`
-    folder (default layout: one Llama decoder layer, ``method="eagle"``) or an
+    folder (default layout: one Llama decoder layer, ``method="eagle"``), an
     :func:`~tlt_trainers.drafter.export_eagle3.export_eagle3_vllm` folder (speculators EAGLE-3, ``method="eagle3"``;
-    its ``transformer_layer_config`` is returned, with ``method`` added)."""
+    its ``transformer_layer_config`` is returned, with ``method`` added) or an
+    :func:`~tlt_trainers.drafter.export_block.export_block_vllm` folder (DFlash, ``method="dflash"``)."""
     path = Path(drafter_dir)
     file = path / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"No {CONFIG_NAME} in {path}: not a drafter export. {_EXPORT_HINT}")
     config = json.loads(file.read_text())
+    if config.get("architectures") == ["DFlashDraftModel"]:
+        from ..drafter.export_block import MASK_EMBEDDING_NAME
+
+        for name in (WEIGHTS_NAME, MASK_EMBEDDING_NAME):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{path} has a DFlash {CONFIG_NAME} but no {name}: export the block drafter "
+                                        "with drafter.export(dir, 'vllm', policy).")
+        return {**config, "method": "dflash"}
     if config.get("speculators_model_type") == "eagle3":
         if not (path / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"{path} has a {CONFIG_NAME} but no {WEIGHTS_NAME}. {_EXPORT_HINT}")

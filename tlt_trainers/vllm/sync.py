@@ -15,10 +15,12 @@ from safetensors.torch import save, save_file
 from torch import nn
 
 from ..drafter.base import Drafter
+from ..drafter.block import BlockDrafter
 from ..drafter.config import WEIGHTS_NAME
 from ..drafter.eagle import EagleDrafter
 from ..drafter.eagle3 import Eagle3Drafter
 from ..drafter.export import export_vllm, vllm_weights
+from ..drafter.export_block import block_weights, export_block_vllm, write_mask_embedding
 from ..drafter.export_eagle3 import eagle3_weights, export_eagle3_vllm
 from ._install import VLLM_INSTALL_HINT, require_vllm, vllm_version
 from .config import EXTENSION, check_drafter_matches, speculative_config
@@ -52,7 +54,8 @@ def _is_speculative_config_error(err: BaseException) -> bool:
 
 
 class VLLMDrafterSync:
-    """Serve an :class:`EagleDrafter` (vLLM's ``eagle``) or :class:`Eagle3Drafter` (``eagle3``) in a vLLM engine and
+    """Serve an :class:`EagleDrafter` (vLLM's ``eagle``), an :class:`Eagle3Drafter` (``eagle3``) or a
+    :class:`BlockDrafter` (``dflash``; ``num_speculative_tokens`` at most its ``block_size - 1``) in a vLLM engine and
     push its new weights there after each update.
 
         sync = VLLMDrafterSync(drafter, policy_dir, num_speculative_tokens=3)   # exports once, to a folder it owns
@@ -80,9 +83,12 @@ class VLLMDrafterSync:
         num_speculative_tokens: int = 3,
         full_vocab_head: bool = False,
     ):
-        if not isinstance(drafter, (EagleDrafter, Eagle3Drafter)):
-            raise TypeError(f"VLLMDrafterSync serves an EagleDrafter (vLLM's EAGLE-1) or an Eagle3Drafter (EAGLE-3), "
-                            f"not a {type(drafter).__name__}.")
+        if not isinstance(drafter, (EagleDrafter, Eagle3Drafter, BlockDrafter)):
+            raise TypeError(f"VLLMDrafterSync serves an EagleDrafter (vLLM's EAGLE-1), an Eagle3Drafter (EAGLE-3) or "
+                            f"a BlockDrafter (DFlash), not a {type(drafter).__name__}.")
+        if isinstance(drafter, BlockDrafter) and not 1 <= num_speculative_tokens <= drafter.max_drafts:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: this block drafter drafts 1 to "
+                             f"{drafter.max_drafts} tokens per pass (its block_size - 1).")
         if policy is not None:
             check_drafter_matches(drafter, policy)
         self.drafter = drafter
@@ -98,6 +104,8 @@ class VLLMDrafterSync:
             if isinstance(drafter, Eagle3Drafter):
                 export_eagle3_vllm(drafter, self.directory, policy or drafter.config.target_name_or_path or "policy",
                                    num_speculative_tokens=self.num_speculative_tokens)
+            elif isinstance(drafter, BlockDrafter):
+                export_block_vllm(drafter, self.directory, policy)
             else:
                 export_vllm(drafter, self.directory, policy, num_speculative_tokens=self.num_speculative_tokens,
                             full_vocab_head=full_vocab_head)
@@ -202,6 +210,9 @@ class VLLMDrafterSync:
         dtype = _torch_dtype(self.engine_info[0]["dtype"]) if self.engine_info else None
         if isinstance(drafter, Eagle3Drafter):
             tensors = eagle3_weights(drafter, dtype)
+        elif isinstance(drafter, BlockDrafter):
+            tensors = block_weights(drafter, dtype)
+            write_mask_embedding(drafter, self.directory, dtype)  # vLLM's load_weights reads it from the folder
         else:
             tensors = vllm_weights(drafter, full_vocab_head=self.full_vocab_head, dtype=dtype)
         if via == "files":

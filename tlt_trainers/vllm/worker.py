@@ -43,6 +43,8 @@ def expected_drafter_shapes(hf_config, method: str = "eagle") -> dict[str, tuple
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
     inter = int(hf_config.intermediate_size)
+    if method == "dflash":
+        return _dflash_shapes(hf_config, h, heads, kv, head_dim, inter)
     if method == "eagle3":
         layers = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or [0, 0, 0]
         draft_vocab = int(getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size)
@@ -77,14 +79,43 @@ def expected_drafter_shapes(hf_config, method: str = "eagle") -> dict[str, tuple
     }
 
 
+def _dflash_shapes(hf_config, h: int, heads: int, kv: int, head_dim: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """``DFlashQwen3ForCausalLM``'s checkpoint (what :func:`~tlt_trainers.drafter.export_block.block_weights`
+    writes): fc and hidden_norm over the aux layers, Qwen3 layers, norm, own head and, with a draft vocabulary,
+    d2t/t2d."""
+    dflash = getattr(hf_config, "dflash_config", None) or {}
+    aux = len(dflash.get("target_layer_ids") or [0])
+    draft_vocab = int(getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size)
+    shapes = {"fc.weight": (h, aux * int(getattr(hf_config, "target_hidden_size", None) or h)),
+              "hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+    for i in range(int(hf_config.num_hidden_layers)):
+        layer = f"layers.{i}."
+        shapes |= {
+            layer + "input_layernorm.weight": (h,),
+            layer + "self_attn.q_proj.weight": (heads * head_dim, h),
+            layer + "self_attn.k_proj.weight": (kv * head_dim, h),
+            layer + "self_attn.v_proj.weight": (kv * head_dim, h),
+            layer + "self_attn.o_proj.weight": (h, heads * head_dim),
+            layer + "self_attn.q_norm.weight": (head_dim,),
+            layer + "self_attn.k_norm.weight": (head_dim,),
+            layer + "post_attention_layernorm.weight": (h,),
+            layer + "mlp.gate_proj.weight": (inter, h),
+            layer + "mlp.up_proj.weight": (inter, h),
+            layer + "mlp.down_proj.weight": (h, inter),
+        }
+    if draft_vocab != int(hf_config.vocab_size):
+        shapes |= {"d2t": (draft_vocab,), "t2d": (int(hf_config.vocab_size),)}
+    return shapes
+
+
 def to_vllm_names(weights: dict[str, torch.Tensor], *, embed_scale: float | None = None,
                   full_vocab_head: bool = False, method: str = "eagle") -> dict[str, torch.Tensor]:
     """Weights under vLLM's checkpoint names: given as such (``fc.*``, ``layers.0.*``) they pass unchanged, an
     EagleDrafter state dict (``fc.*``, ``self_attn.*``, ``mlp.*``, ...) goes through the export mapping
     (:func:`~tlt_trainers.drafter.export.eagle_state_dict_to_vllm`; ``embed_scale`` for a scaled policy embedding).
-    EAGLE-3 weights come as :func:`~tlt_trainers.drafter.export_eagle3.eagle3_weights` writes them (``d2t`` as
-    offsets) and pass unchanged."""
-    if method == "eagle3" or all(name.startswith(_VLLM_PREFIXES) for name in weights):
+    EAGLE-3 and DFlash weights come as :func:`~tlt_trainers.drafter.export_eagle3.eagle3_weights` and
+    :func:`~tlt_trainers.drafter.export_block.block_weights` write them (``d2t`` as offsets) and pass unchanged."""
+    if method in ("eagle3", "dflash") or all(name.startswith(_VLLM_PREFIXES) for name in weights):
         return dict(weights)
     return eagle_state_dict_to_vllm(weights, embed_scale=embed_scale, full_vocab_head=full_vocab_head)
 
@@ -122,10 +153,11 @@ def _draft_model_and_config(worker):
             "This vLLM engine runs no drafter: start it with speculative_config=tlt_trainers.vllm.speculative_config("
             "export_dir, k) (VLLMDrafterSync.engine_kwargs() gives it)."
         )
-    if spec.method not in ("eagle", "eagle3"):
+    if spec.method not in ("eagle", "eagle3", "dflash"):
         raise RuntimeError(
             f"This engine speculates with method={spec.method!r}; DrafterReloadExtension reloads the drafters "
-            "tlt_trainers exports (method='eagle' for EagleDrafter, 'eagle3' for Eagle3Drafter)."
+            "tlt_trainers exports (method='eagle' for EagleDrafter, 'eagle3' for Eagle3Drafter, 'dflash' for "
+            "BlockDrafter)."
         )
     get_draft_model = getattr(worker.model_runner, "get_draft_model", None)
     model = get_draft_model() if callable(get_draft_model) else None
@@ -164,7 +196,9 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
     EagleDrafter state dict (converted by the export mapping), either as tensors or as one safetensors blob
     (``safetensors.torch.save``: what crosses vLLM's RPC to worker processes, whose msgpack turns tensors in untyped
     arguments into lists). ``path``: an export folder (or its model.safetensors) instead. Every tensor of the
-    drafter must come, with its shape: a partial reload would leave layers half old.
+    drafter must come, with its shape: a partial reload would leave layers half old. A DFlash drafter's mask
+    embedding is not a checkpoint tensor: vLLM reads it from the served folder's mask_embedding.pt, which
+    :meth:`~tlt_trainers.vllm.sync.VLLMDrafterSync.push` rewrites first.
     """
     start = time.perf_counter()
     require_vllm()
@@ -214,9 +248,39 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
                 model.load_weights(iter(tensors))
             finally:
                 finalize_layerwise_reload(model, spec.draft_model_config)
+            if spec.method == "dflash":
+                refresh_dflash_context_buffers(model, dict(tensors))
     finally:
         layerwise_logger.removeFilter(quiet)
     return {"seconds": time.perf_counter() - start, "tensors": len(tensors)}
+
+
+def refresh_dflash_context_buffers(model, weights: dict[str, torch.Tensor]) -> bool:
+    """Rebuild a DFlash drafter's context buffers after a reload; True if its fused K/V projection was stale.
+
+    vLLM 0.31's ``DFlashQwen3ForCausalLM.load_weights`` ends by caching what its context pass reads
+    (``_build_fused_kv_buffers``, ``qwen3_dflash.py``): every layer's ``qkv_proj.weight`` K/V rows in one fused
+    projection, the K-norm weights, the hidden norm and the rotary cos/sin cache. In a layer-by-layer reload that runs
+    too early: the rotary cache is still a meta tensor (restored only by ``finalize_layerwise_reload``: "_C::
+    rotary_embedding ... Meta tensors" at the next draft), and on vLLM's CPU backend the layers have already been
+    repacked into its own format, which leaves ``weight`` empty (the fused projection gets no rows: "size mismatch,
+    got input (n), mat (n x h), vec (0)"). Not reported upstream from here (no network); the fix is ours: the buffers
+    are rebuilt after the finalize step, and the fused projection, where it lacks rows, from the tensors just loaded
+    (vLLM's layout: per layer, K rows then V rows).
+    """
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "_build_fused_kv_buffers"):
+        return False
+    inner._build_fused_kv_buffers()
+    layers = range(len(inner.layers))
+    rows = [torch.cat([weights[f"layers.{i}.self_attn.k_proj.weight"], weights[f"layers.{i}.self_attn.v_proj.weight"]])
+            for i in layers]
+    fused = getattr(inner, "_fused_kv_weight", None)
+    if fused is None or fused.shape[0] == sum(r.shape[0] for r in rows):
+        return False
+    inner._fused_kv_weight = torch.cat(rows).to(device=inner.hidden_norm.weight.device, dtype=fused.dtype).contiguous()
+    inner._fused_kv_bias = None
+    return True
 
 
 class DrafterReloadExtension:
