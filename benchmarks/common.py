@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tlt_trainers import EagleDrafter
+from tlt_trainers import Drafter
 from tlt_trainers.pretrained import cache_root
 from tlt_trainers.warmup import warmup_drafter
 
@@ -69,7 +69,7 @@ def warm_drafter(model, tokenizer, *, prompts: int, new_tokens: int, train_secon
         info = {"cached": str(cache)}
         if (cache / WARMUP_INFO).is_file():
             info.update(json.loads((cache / WARMUP_INFO).read_text()))
-        return EagleDrafter.from_pretrained(cache, target=model), info
+        return Drafter.from_pretrained(cache, target=model), info  # EAGLE-3 for SmolLM2, as warmup_drafter makes it
     texts = math_prompts(tokenizer, prompts, seed=1000 + seed, dataset=dataset, instruction=instruction)
     drafter, report = warmup_drafter(model, tokenizer, texts, draft_vocab_size=draft_vocab, max_new_tokens=new_tokens,
                                      temperatures=tuple(temperatures), train_seconds=train_seconds, seed=seed,
