@@ -26,7 +26,7 @@ from ..modeling.target import text_config
 from .base import Drafter
 from .config import EagleDrafterConfig
 from .eagle import DrafterMLP, RMSNorm, new_drafter, rotary, rotate
-from .eagle3 import OwnHead
+from .eagle3 import FusedLayers, OwnHead
 
 # (layer index, keys, values) of the block -> the keys and values the block attends to in that layer
 KeyMerge = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -121,7 +121,7 @@ class LayeredKV:
         return sum(layer.nbytes() for layer in self.layers)
 
 
-class BlockDrafter(OwnHead, Drafter):
+class BlockDrafter(FusedLayers, OwnHead, Drafter):
     """A block drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
 
     def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
@@ -163,21 +163,7 @@ class BlockDrafter(OwnHead, Drafter):
             row = embedding[self.config.mask_token_id] if self.config.mask_token_id is not None else embedding.mean(0)
             self.mask_embedding.copy_(row)
 
-    def _check_policy(self, model: nn.Module) -> None:
-        layers = text_config(model).num_hidden_layers
-        if max(self.config.aux_layer_ids) > layers:
-            raise ValueError(f"The drafter reads policy layers {self.config.aux_layer_ids} but the policy has "
-                             f"{layers}: this drafter was made for another model.")
-
     # ----------------------------------------------------------------- what the engine asks
-    @property
-    def feature_size(self) -> int:
-        return self.fc.in_features
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return tuple(self.config.aux_layer_ids)
-
     @property
     def drafts_blocks(self) -> bool:
         return True

@@ -78,6 +78,27 @@ class OwnHead:
         return self.norm(predicted), self.lm_head.weight
 
 
+class FusedLayers:
+    """A drafter that reads several of the policy's layers (``config.aux_layer_ids``), fused by its ``fc``."""
+
+    fc: nn.Linear
+
+    def _check_policy(self, model: nn.Module) -> None:
+        layers = text_config(model).num_hidden_layers
+        bad = [k for k in self.config.aux_layer_ids if not 0 <= k <= layers]
+        if bad:
+            raise ValueError(f"The drafter reads policy layers {self.config.aux_layer_ids} but the policy has "
+                             f"{layers}: this drafter was made for another model.")
+
+    @property
+    def feature_size(self) -> int:
+        return self.fc.in_features
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.aux_layer_ids)
+
+
 class Eagle3Layer(nn.Module):
     """The drafter's decoder layer (vLLM's ``midlayer``): attention over [embedding; feature], then the MLP."""
 
@@ -100,7 +121,7 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Drafter(OwnHead, AutoregressiveDrafter):
+class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
     """An EAGLE-3 drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
 
     def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
@@ -122,22 +143,7 @@ class Eagle3Drafter(OwnHead, AutoregressiveDrafter):
         drafter.init_from_policy(model)
         return drafter
 
-    def _check_policy(self, model: nn.Module) -> None:
-        layers = text_config(model).num_hidden_layers
-        bad = [k for k in self.config.aux_layer_ids if not 0 <= k <= layers]
-        if bad:
-            raise ValueError(f"The drafter reads policy layers {self.config.aux_layer_ids} but the policy has "
-                             f"{layers}: this drafter was made for another model.")
-
     # ----------------------------------------------------------------- what the engine asks
-    @property
-    def feature_size(self) -> int:
-        return self.fc.in_features
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return tuple(self.config.aux_layer_ids)
-
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """Policy features [.., 3H] -> [.., H]; the drafter's own predictions [.., H] pass through."""
         return self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden

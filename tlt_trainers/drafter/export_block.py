@@ -26,6 +26,7 @@ from torch import nn
 
 from .block import BlockDrafter
 from .export import _dtype_name, _embed_scale, _llama_config, _max_positions, _write
+from .export_eagle3 import draft_vocab_maps
 
 MASK_EMBEDDING_NAME = "mask_embedding.pt"
 
@@ -36,13 +37,7 @@ def block_weights(drafter: BlockDrafter, dtype: torch.dtype | None = None) -> di
     dtype = dtype or drafter.fc.weight.dtype
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in drafter.state_dict().items() if name not in ("d2t", "mask_embedding")}
-    if drafter.d2t is not None:
-        d2t = drafter.d2t.cpu()
-        tensors["d2t"] = (d2t - torch.arange(len(d2t))).contiguous()
-        t2d = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
-        t2d[d2t] = True
-        tensors["t2d"] = t2d
-    return tensors
+    return tensors | draft_vocab_maps(drafter)
 
 
 def dflash_config(drafter: BlockDrafter, verifier: str | nn.Module | None, max_positions: int | None,

@@ -50,14 +50,19 @@ def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
     dtype = dtype or drafter.fc.weight.dtype
     tensors = {name.replace("midlayer.", layer_prefix, 1): t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in drafter.state_dict().items() if name != "d2t"}
-    if drafter.d2t is None:  # the full vocabulary: the engines expect no map (vLLM has no parameter for one)
-        return tensors
+    return tensors | draft_vocab_maps(drafter)
+
+
+def draft_vocab_maps(drafter) -> dict[str, torch.Tensor]:
+    """A draft vocabulary as the engines store it: ``d2t`` as offsets (``d2t[i] = target_id - i``, what they add to
+    ``arange``) and a boolean ``t2d`` over the target vocabulary; none for a full-vocabulary drafter (vLLM has no
+    parameter for a map then)."""
+    if drafter.d2t is None:
+        return {}
     d2t = drafter.d2t.cpu()
-    tensors["d2t"] = (d2t - torch.arange(len(d2t))).contiguous()
     t2d = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
     t2d[d2t] = True
-    tensors["t2d"] = t2d
-    return tensors
+    return {"d2t": (d2t - torch.arange(len(d2t))).contiguous(), "t2d": t2d}
 
 
 def _layer_config(drafter: Eagle3Drafter, architectures: list[str], verifier, max_positions: int | None,
