@@ -81,7 +81,10 @@ def _special_tokens(tokenizer, model) -> tuple[int | list[int] | None, int]:
 def measure_acceptance(model, tokenizer, drafter: Drafter, prompts: list[str], max_new_tokens: int = 64,
                        num_speculative_tokens: int = 4, temperature: float = 0.0, batch_size: int = 4,
                        seed: int = 0) -> dict:
-    """Real acceptance length of ``drafter`` on ``prompts`` (speculation always on)."""
+    """Real acceptance length of ``drafter`` on ``prompts`` (speculation always on; a block drafter drafts at most
+    its block)."""
+    if drafter.drafts_blocks:
+        num_speculative_tokens = min(num_speculative_tokens, drafter.max_drafts)
     engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always",
                                                             num_speculative_tokens=num_speculative_tokens))
     eos, pad = _special_tokens(tokenizer, model)
@@ -119,7 +122,7 @@ def warmup_drafter(
 ) -> tuple[Drafter, WarmupReport]:
     """Sample answers to ``prompts`` from the policy, train a drafter on them, report acceptance before/after.
 
-    Without ``drafter``, a fresh one of ``architecture`` ('auto', 'eagle3', 'eagle': see ``drafter_class``).
+    Without ``drafter``, a fresh one of ``architecture`` ('auto', 'eagle3', 'eagle', 'block': see ``drafter_class``).
 
     The prompts are split evenly across ``temperatures`` (0.0 = greedy). Acceptance is measured greedily
     and at temperature 1.0 on ``eval_prompts`` (none: skipped).
