@@ -254,8 +254,8 @@ def _draft_runs(target, drafter, batch: int, widths: list[int], context: int) ->
         slots = context + torch.arange(width, device=device).expand(batch, -1)
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         if drafter.drafts_blocks:  # a block over the context (a width of 1: the context of one committed token)
-            allowed = (torch.arange(context + width, device=device) < context + width).expand(batch, width, -1)
-            mask = additive_mask(allowed, target.dtype)
+            mask = additive_mask(torch.ones(batch, width, context + width, dtype=torch.bool, device=device),
+                                 target.dtype)  # the block sees all of the context and itself
             features = torch.zeros(batch, context, drafter.feature_size, dtype=target.dtype, device=device)
             context_slots = torch.arange(context, device=device).expand(batch, -1)
             drafter.write_context(features, context_slots, kv, context_slots)
