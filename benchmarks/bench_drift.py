@@ -1,6 +1,6 @@
 """Drift on SmolLM2-135M-Instruct: the policy keeps moving; a frozen drafter falls behind, online updates keep up.
 
-    python benchmarks/bench_drift.py [--drafter DIR] [--rounds 4] [--update-steps N] [--quick]
+    python benchmarks/bench_drift.py [--drafter DIR] [--rounds 4] [--update-steps N] [--quick] [--name NAME]
 
 1. Start from the drafter shipped for SmolLM2-135M-Instruct (or ``--drafter DIR``, any saved drafter): two copies,
    one frozen, one updated online.
@@ -10,7 +10,8 @@
    the moved policy with TLT's engine (the online drafter's features come from the engine's own passes, no extra
    forward), trains the online drafter for a time budget with the rollout's default drafter settings
    (``DrafterSettings``) and measures it again.
-Writes benchmarks/results/bench_drift[_quick].json.
+A block drafter (``--drafter`` a saved ``BlockDrafter``) drafts ``block:4`` where EAGLE-3 drafts a chain of 4, so
+their acceptance lengths compare. Writes benchmarks/results/bench_drift[_quick].json (or ``--name``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def main():
     p.add_argument("--rollout-prompts", type=int, default=None, help="fresh rollouts per round, default 32 "
                    "(quick 16)")
     p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--name", default=None, help="result file name (default bench_drift[_quick])")
     args = p.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
     update_seconds = args.update_seconds if args.update_seconds is not None else (45 if args.quick else 120)
@@ -155,7 +157,7 @@ def main():
           f"on {n_rollouts} fresh rollouts")
     table = print_table(["round", "policy SFT steps", "frozen greedy", "frozen T=1", "online before update greedy",
                          "online before update T=1", "online after update greedy", "online after update T=1"], rows)
-    path = write_results("bench_drift_quick" if args.quick else "bench_drift", {
+    path = write_results(args.name or ("bench_drift_quick" if args.quick else "bench_drift"), {
         "settings": {**vars(args), "rounds": rounds, "update_seconds": update_seconds, "rollout_prompts": n_rollouts,
                      "drafter": str(source), "drafter_settings": dataclasses.asdict(settings)},
         "rounds": history, "table": table})

@@ -15,7 +15,10 @@ keeps going when one fails:
    the shipped drafter, and a fresh one at temperature 1.0 (``--drafter PATH`` serves another saved drafter);
 4. ``long-tail``: one GRPO-like rollout whose answers end at their EOS, 64 answers, temperature 1.0;
 5. ``grpo``: ``bench_trl_vllm.py``, stock ``GRPOTrainer(use_vllm=True)`` vs ``TLTGRPOTrainer(use_vllm=True)`` at
-   temperature 1.0.
+   temperature 1.0;
+6. ``dflash``: the block drafter served by vLLM's ``dflash`` method (``tests/test_vllm_block.py``: the export loads
+   into ``DFlashQwen3ForCausalLM``, greedy outputs equal plain vLLM's, vLLM's acceptance equals our engine's, a pushed
+   update is served after the layer-wise reload).
 
 Each result JSON lands in benchmarks/results/ and, when ``$OUT`` is set (the device tool), in ``$OUT``; a summary
 with every command's exit status and the tail of its output is written to gpu_check_vllm.json.
@@ -50,12 +53,14 @@ def commands(drafter: str | None) -> dict[str, list[list[str]]]:
         "long-tail": [bench + served + ["--workload", "long-tail", "--rows", "64", "--temperature", "1.0",
                                         "--reps", "2", "--name", "gpu_vllm_long_tail_t1"]],
         "grpo": [[sys.executable, str(HERE / "bench_trl_vllm.py"), "--steps", "4", "--reps", "2"]],
+        "dflash": [[sys.executable, "-m", "pytest", "-q", "-m", "slow",
+                    str(HERE.parent / "tests" / "test_vllm_block.py")]],
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="sampling,adaptive,batches,long-tail,grpo")
+    p.add_argument("--only", default="sampling,adaptive,batches,long-tail,grpo,dflash")
     p.add_argument("--drafter", default=None, help="a saved drafter to serve (default: the shipped EAGLE-3 one)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per command")
     p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a smoke test of this script)")

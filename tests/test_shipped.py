@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_model
 
 import tlt_trainers.shipped as shipped
-from tlt_trainers import Eagle3Drafter, EagleDrafter
+from tlt_trainers import BlockDrafter, Eagle3Drafter, EagleDrafter
 from tlt_trainers.drafter.setup import rollout_drafter
 from tlt_trainers.settings import DrafterSettings
 
@@ -53,6 +53,30 @@ def test_trainers_start_from_the_shipped_drafter_unless_told_otherwise(shelf):
         rollout_drafter(policy, DrafterSettings(), seed=0, engine="vllm-eagle1", drafter=drafter)
     eagle1, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="eagle"), seed=0)
     assert isinstance(eagle1, EagleDrafter)
+
+
+def test_the_architecture_the_user_set_picks_the_shipped_drafter(shelf, tmp_path):
+    """drafter_architecture='block' never starts from the shipped EAGLE-3 drafter: from the shipped block drafter
+    where one ships, else from a fresh block drafter; 'auto' keeps EAGLE-3 where both ship."""
+    policy, eagle3, eagle3_folder = shelf
+    fresh_block, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="block"), seed=0)
+    assert isinstance(fresh_block, BlockDrafter)
+    assert shipped.shipped_drafter_for(policy, "block") is None
+    torch.manual_seed(1)
+    block = BlockDrafter.from_target(policy, block_size=4, num_hidden_layers=1)
+    block_folder = tmp_path / "tiny-block"  # sorts before tiny-eagle3: the order of folders decides nothing
+    block.save_pretrained(block_folder)
+    (block_folder / shipped.FINGERPRINT).write_text(json.dumps(shipped.policy_fingerprint(policy)))
+    assert shipped.shipped_drafter_for(policy) == eagle3_folder
+    assert shipped.shipped_drafter_for(policy, "eagle3") == eagle3_folder
+    assert shipped.shipped_drafter_for(policy, "block") == block_folder
+    assert shipped.shipped_drafter_for(policy, "eagle") is None
+    loaded, _, _ = rollout_drafter(policy, DrafterSettings(drafter_architecture="block"), seed=0)
+    assert isinstance(loaded, BlockDrafter) and torch.equal(loaded.fc.weight, block.fc.weight)
+    assert not torch.equal(fresh_block.fc.weight, block.fc.weight)
+    assert isinstance(rollout_drafter(policy, DrafterSettings(), seed=0)[0], Eagle3Drafter)
+    with pytest.raises(ValueError, match="choose 'auto' or one of"):
+        shipped.shipped_drafter_for(policy, "medusa")
 
 
 def test_model_card_figures_are_the_bench_drafters_result():

@@ -130,9 +130,11 @@ def reference_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> l
     return completion[: completion.index(EOS) + 1] if EOS in completion else completion
 
 
-def test_greedy_rollout_through_agent_loop_matches_generate(model_dir, rollout_actors):
+@pytest.mark.parametrize("architecture", ["auto", "block"])
+def test_greedy_rollout_through_agent_loop_matches_generate(model_dir, rollout_actors, architecture):
     config = backend_config(model_dir, 1, "actor_rollout_ref.rollout.temperature=0",
-                            "tlt.speculation=always", "tlt.num_speculative_tokens=3")
+                            "tlt.speculation=always", "tlt.num_speculative_tokens=3",
+                            f"tlt.drafter_architecture={architecture}")
     servers, agents = make_managers(config)
     rollout_actors.append(agents)
     assert [type(r).__name__ for r in servers.get_replicas()] == ["TLTReplica"]
@@ -144,6 +146,8 @@ def test_greedy_rollout_through_agent_loop_matches_generate(model_dir, rollout_a
         prompt_ids = prompts[row][mask[row, : prompts.shape[1]].bool()].tolist()
         response = responses[row][output.batch["response_mask"][row].bool()].tolist()
         assert response == reference_greedy(model_dir, prompt_ids, 24), f"row {row} differs from generate"
+    if architecture == "block":  # the replica drafts with a block drafter (its learnt mask embedding)
+        assert "mask_embedding" in ray.get(agents.servers[0].drafter_state.remote())["state"]
     metrics = agents.pop_metrics()
     # speculation=always with chains of 3: every step with room for a draft speculates (a step with one token left
     # decodes plainly: one such step in a 24-token rollout), each emitting between 1 and 4 tokens

@@ -41,9 +41,10 @@ class DrafterSettings:
         metadata={"help": "Drafter to start from: a folder written by save_pretrained (or by `tlt warmup-drafter`), "
                   "a public drafter in another tool's layout (the EAGLE authors' EAGLE-1/EAGLE-3, SpecForge/SGLang, "
                   "the speculators library's, the TLT authors' RL drafters: docs/export_formats.md), or the Hub "
-                  "repo id of either. None: the drafter shipped with tlt-trainers for this policy where there is one "
-                  "(SmolLM2-135M-Instruct, however it was loaded; an EAGLE-3 drafter, so not where the rollout "
-                  "serves EAGLE-1 only), else a fresh drafter sized for the policy, which learns from the rollouts. "
+                  "repo id of either. None: the drafter shipped with tlt-trainers for this policy and "
+                  "drafter_architecture where there is one (SmolLM2-135M-Instruct, however it was loaded: EAGLE-3 "
+                  "for 'auto' and 'eagle3', none where the rollout serves EAGLE-1 only), else a fresh drafter of "
+                  "drafter_architecture sized for the policy, which learns from the rollouts. "
                   "'fresh': always a fresh drafter."},
     )
     drafter_architecture: str = field(

@@ -64,18 +64,18 @@ def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> 
 
 def starting_drafter(policy: nn.Module, settings: Any, engine: str = "tlt") -> str | None:
     """Where the rollout's drafter is loaded from: ``settings.drafter_name_or_path``, else the drafter shipped for
-    ``policy`` (an EAGLE-3 one: not for an ``engine`` that serves EAGLE-1 only), else None (a fresh one). 'fresh'
-    forces None."""
+    ``policy`` of ``settings.drafter_architecture`` ('auto': the default shipped one; never for an ``engine`` that
+    serves EAGLE-1 only), else None (a fresh one). 'fresh' forces None."""
     name = settings.drafter_name_or_path
     if name == "fresh":
         return None
     if name is not None:
         return name
-    if engine == "vllm-eagle1" or getattr(settings, "drafter_architecture", "auto") == "eagle":
+    if engine == "vllm-eagle1":
         return None
     from ..shipped import shipped_drafter_for
 
-    shipped = shipped_drafter_for(policy)
+    shipped = shipped_drafter_for(policy, getattr(settings, "drafter_architecture", "auto"))
     return None if shipped is None else str(shipped)
 
 

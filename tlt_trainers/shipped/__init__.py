@@ -49,12 +49,30 @@ def shipped_drafters() -> list[Path]:
     return sorted(path.parent for path in HERE.glob(f"*/{FINGERPRINT}"))
 
 
-def shipped_drafter_for(policy: nn.Module) -> Path | None:
-    """The shipped drafter trained for ``policy``, or None."""
-    ours = None
+ARCHITECTURE_CLASSES = {"eagle3": "Eagle3Drafter", "eagle": "EagleDrafter", "block": "BlockDrafter"}
+# What 'auto' starts from where several drafters ship for one policy: the first of these that does (a block drafter
+# ships opt-in until it beats EAGLE-3 on bench_drafters at batch 1 and 4, greedy and T=1).
+AUTO_ORDER = ("Eagle3Drafter", "EagleDrafter", "BlockDrafter")
+
+
+def _architecture(folder: Path) -> str | None:
+    config = folder / "config.json"
+    return json.loads(config.read_text()).get("architecture") if config.is_file() else None
+
+
+def shipped_drafter_for(policy: nn.Module, architecture: str = "auto") -> Path | None:
+    """The shipped drafter trained for ``policy``, or None.
+
+    ``architecture``: 'auto' (the default one: see ``AUTO_ORDER``), or 'eagle3' / 'eagle' / 'block' (that kind only,
+    as ``drafter_architecture`` names them).
+    """
+    if architecture != "auto" and architecture not in ARCHITECTURE_CLASSES:
+        raise ValueError(f"architecture={architecture!r}: choose 'auto' or one of {sorted(ARCHITECTURE_CLASSES)}.")
+    ours, found = None, {}
     for folder in shipped_drafters():
         if ours is None:
             ours = policy_fingerprint(policy)
         if _matches(json.loads((folder / FINGERPRINT).read_text()), ours):
-            return folder
-    return None
+            found.setdefault(_architecture(folder), folder)
+    wanted = AUTO_ORDER if architecture == "auto" else (ARCHITECTURE_CLASSES[architecture],)
+    return next((found[name] for name in wanted if name in found), None)
