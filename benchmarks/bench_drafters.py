@@ -162,9 +162,10 @@ def main() -> None:
     for kind, folder in folders.items():
         drafters[f"{ROW_NAMES[kind]} {args.warmup_minutes:g}-min"] = (Drafter.from_pretrained(folder, target=model),
                                                                        str(folder))
-    shipped = shipped_drafter_for(model)
-    if shipped is not None:
-        drafters["eagle3 shipped"] = (Drafter.from_pretrained(shipped, target=model), str(shipped))
+    for architecture in ("eagle3", "block"):
+        shipped = shipped_drafter_for(model, architecture)
+        if shipped is not None:
+            drafters[f"{architecture} shipped"] = (Drafter.from_pretrained(shipped, target=model), str(shipped))
     if args.block_drafter:
         drafters["block trained"] = (Drafter.from_pretrained(args.block_drafter, target=model), args.block_drafter)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,14 @@ def output_dir(args) -> Path:
     return cache_dir() / "block" if args.architecture == "block" else SHIPPED
 
 
+def recipe_flags(args) -> str:
+    """The flags beyond --architecture and --minutes that made this drafter (for its reproduce command)."""
+    flags = f" --lr {args.lr:g}" + (f" --lr-schedule {args.lr_schedule}" if args.lr_schedule != "constant" else "")
+    if args.architecture == "block":
+        flags += f" --block-size {args.block_size} --layers {args.layers} --block-anchors {args.block_anchors}"
+    return flags
+
+
 def train(args) -> None:
     from tlt_trainers import DrafterTrainer
     from tlt_trainers.drafter.buffer import FeatureBuffer
@@ -143,6 +152,10 @@ def train(args) -> None:
     history, trained, tokens = list(previous.get("history", [])), 0.0, 0
     before, tokens_before = previous.get("train_seconds", 0.0), previous.get("tokens_trained", 0)
     while trained < args.minutes * 60:
+        if args.lr_schedule == "cosine":  # over this run's minutes, from --lr down to a tenth of it
+            fraction = min(trained / (args.minutes * 60), 1.0)
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
         metrics = trainer.train(max_seconds=min(args.report_every, args.minutes * 60 - trained))
         trained += metrics["seconds"]
         tokens += metrics["tokens"]
@@ -156,11 +169,11 @@ def train(args) -> None:
                 "temperatures": list(TEMPERATURES), "architecture": args.architecture,
                 "feature_seconds": feature_seconds, "train_seconds": before + trained,
                 "steps": trainer.step + (previous.get("steps", 0) if args.init else 0),
-                "tokens_trained": tokens_before + tokens, "lr": args.lr, "unroll_steps": args.unroll_steps,
-                "micro_batch_size": args.micro_batch_size, "history": history,
+                "tokens_trained": tokens_before + tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
+                "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size, "history": history,
                 "command": "python scripts/train_shipped_drafter.py sample --prompts {} && python scripts/"
-                           "train_shipped_drafter.py train --architecture {} --minutes {:g}".format(
-                               data["prompts"], args.architecture, (before + trained) / 60)}
+                           "train_shipped_drafter.py train --architecture {}{} --minutes {:g}".format(
+                               data["prompts"], args.architecture, recipe_flags(args), args.minutes)}
         Path(args.out, "training.json").write_text(json.dumps(info, indent=2) + "\n")
     if args.architecture == "eagle3" or args.ship:
         finish(drafter, model, tokenizer, info, args)
@@ -171,21 +184,22 @@ def train(args) -> None:
 
 BENCH_RESULTS = ROOT / "benchmarks" / "results" / "bench_drafters.json"
 SHIPPED_ROW = "eagle3 shipped"
+BLOCK_ROW = "block shipped"
 
 
-def card_acceptance(results_path: Path = BENCH_RESULTS) -> tuple[dict, str]:
+def card_acceptance(results_path: Path = BENCH_RESULTS, row_name: str = SHIPPED_ROW) -> tuple[dict, str]:
     """The model card's acceptance table and its source line, from the one measurement of the shipped drafter:
     ``benchmarks/bench_drafters.py`` (its result file; the bench names its command and machine)."""
     results = json.loads(Path(results_path).read_text())
     rows = {}
     for row in results["rows"]:
-        if row["drafter"] != SHIPPED_ROW:
+        if row["drafter"] != row_name:
             continue
         setting = "greedy" if row["temperature"] == 0 else f"temperature {row['temperature']:g}"
-        rows[f"{setting}, chain of {results['args']['k']}, batch {row['batch']}"] = {
+        rows[f"{setting}, chain of {row.get('k', results['args']['k'])}, batch {row['batch']}"] = {
             "acceptance_length": row["acceptance_length"], "tokens/s vs plain": row["speedup"]}
     if not rows:
-        raise ValueError(f"{results_path} has no '{SHIPPED_ROW}' rows; run benchmarks/bench_drafters.py first.")
+        raise ValueError(f"{results_path} has no '{row_name}' rows; run benchmarks/bench_drafters.py first.")
     machine = results["machine"]
     rel = Path(results_path).resolve().relative_to(ROOT) if Path(results_path).resolve().is_relative_to(ROOT) \
         else Path(results_path)
@@ -198,13 +212,16 @@ def write_card(drafter, info: dict, out: str | Path, results_path: Path = BENCH_
     """The shipped folder's README.md, its acceptance from :func:`card_acceptance`."""
     from tlt_trainers.drafter.model_card import write_model_card
 
-    acceptance, source = card_acceptance(results_path)
+    block = drafter.drafts_blocks
+    acceptance, source = card_acceptance(results_path, BLOCK_ROW if block else SHIPPED_ROW)
     training = {"data": f"{info['answers']} answers of the policy ({info['answer_tokens']} answer tokens) to "
                         "reasoning-gym questions (20 tasks) and chat requests, temperatures 0.6/0.8/1.0 and greedy",
                 "steps": info["steps"], "tokens trained": info["tokens_trained"],
-                "minutes": round(info["train_seconds"] / 60, 1), "unroll (training-time test)": info["unroll_steps"],
+                "minutes": round(info["train_seconds"] / 60, 1),
+                **({} if block else {"unroll (training-time test)": info["unroll_steps"]}),
                 "reproduce": info["command"]}
-    return write_model_card(drafter, out, policy_name=POLICY, acceptance=acceptance, num_speculative_tokens=4,
+    return write_model_card(drafter, out, policy_name=POLICY, acceptance=acceptance,
+                            num_speculative_tokens=drafter.max_drafts if block else 4,
                             training=training, license="apache-2.0", acceptance_source=source)
 
 
@@ -261,6 +278,8 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=40.0)
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: from --lr down to a tenth of it over this run's --minutes")
     p.add_argument("--unroll-steps", type=int, default=3)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--report-every", type=float, default=120.0)

@@ -43,7 +43,8 @@ class DrafterSettings:
                   "the speculators library's, the TLT authors' RL drafters: docs/export_formats.md), or the Hub "
                   "repo id of either. None: the drafter shipped with tlt-trainers for this policy and "
                   "drafter_architecture where there is one (SmolLM2-135M-Instruct, however it was loaded: EAGLE-3 "
-                  "for 'auto' and 'eagle3', none where the rollout serves EAGLE-1 only), else a fresh drafter of "
+                  "for 'auto' and 'eagle3', a block drafter for 'block', none where the rollout serves EAGLE-1 only), "
+                  "else a fresh drafter of "
                   "drafter_architecture sized for the policy, which learns from the rollouts. "
                   "'fresh': always a fresh drafter."},
     )

@@ -80,7 +80,9 @@ def write_model_card(
     policy = policy_name or c.target_name_or_path
     here = repo_id or "path/to/this/folder"
     k = int(num_speculative_tokens)
-    data = ModelCardData(library_name="tlt-trainers", tags=list(TAGS), base_model=policy or None, license=license)
+    tags = ([t for t in TAGS if t not in ("eagle", "sglang")] + ["dflash"] if c.architecture == "BlockDrafter"
+            else list(TAGS))  # a block drafter is served by vLLM's dflash method only
+    data = ModelCardData(library_name="tlt-trainers", tags=tags, base_model=policy or None, license=license)
     vocab = (f"{c.draft_vocab_size} of the policy's {c.vocab_size} tokens (draft vocabulary; verification "
              "stays over the full vocabulary)" if c.uses_draft_vocab else f"the policy's full {c.vocab_size} tokens")
     params = sum(p.numel() for p in drafter.parameters())
@@ -193,7 +195,7 @@ def write_model_card(
         "```",
         "",
     ]
-    if c.uses_draft_vocab and not eagle3:
+    if c.uses_draft_vocab and not eagle3 and not block:
         out += ["vLLM's EAGLE-1 drafter has no draft vocabulary: its export drafts over the full vocabulary",
                 "(`full_vocab_head=True`). Outputs are unchanged; drafting costs more than here.", ""]
     if block:  # vLLM only: SGLang's DFlash loader is not targeted
