@@ -191,9 +191,10 @@ class BlockDrafter(FusedLayers, OwnHead, Drafter):
         return [layer.self_attn.keys_values(context, positions) for layer in self.layers]
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: LayeredKV,
-                      slots: torch.Tensor) -> None:
-        """Project features [B, n, F] of committed tokens into the cache at ``slots`` [B, n]."""
-        kv_len = int(slots.max()) + 1
+                      slots: torch.Tensor, kv_len: int | None = None) -> None:
+        """Project features [B, n, F] of committed tokens into the cache at ``slots`` [B, n] (``kv_len``: a bound
+        on ``slots.max() + 1`` known on the host, so that a GPU need not be read)."""
+        kv_len = int(slots.max()) + 1 if kv_len is None else kv_len
         for cache, (key, value) in zip(kv.layers, self.context_keys_values(features, positions), strict=True):
             cache.write(key, value, slots, kv_len)
 
@@ -213,9 +214,10 @@ class BlockDrafter(FusedLayers, OwnHead, Drafter):
         return x
 
     def draft(self, first_tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: LayeredKV,
-              slots: torch.Tensor) -> torch.Tensor:
-        """One drafting pass over blocks written at ``slots`` [B, q] of the cache: hidden states [B, q, H]."""
-        kv_len = int(slots.max()) + 1
+              slots: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """One drafting pass over blocks written at ``slots`` [B, q] of the cache: hidden states [B, q, H], attending
+        to its first ``kv_len`` slots (default ``slots.max() + 1``; the mask's last dimension)."""
+        kv_len = int(slots.max()) + 1 if kv_len is None else kv_len
 
         def merge(index, key, value):
             return kv.layers[index].write(key, value, slots, kv_len)

@@ -15,19 +15,20 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-def compaction_plan(finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How to drop finished rows by moving as few as possible: the last live rows fill the holes.
+def compaction_plan(finished: list[bool]) -> tuple[list[int], list[int], list[int]]:
+    """How to drop finished rows (``finished``: one flag per row, on the host) by moving as few as possible: the
+    last live rows fill the holes.
 
     Returns (order [n]: old row of each new row, holes: new rows that receive a row, movers: their old rows).
-    Copying only the movers makes compaction cost O(finished rows), not O(batch).
+    Copying only the movers makes compaction cost O(finished rows), not O(batch); planning on the host reads
+    nothing back from the device.
     """
-    alive = ~finished
-    n = int(alive.sum())
-    index = torch.arange(finished.shape[0], device=finished.device)
-    holes = (finished & (index < n)).nonzero().squeeze(1)
-    movers = (alive & (index >= n)).nonzero().squeeze(1)
-    order = index[:n].clone()
-    order[holes] = movers
+    n = len(finished) - sum(bool(f) for f in finished)
+    holes = [i for i in range(n) if finished[i]]
+    movers = [i for i in range(n, len(finished)) if not finished[i]]
+    order = list(range(n))
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
     return order, holes, movers
 
 

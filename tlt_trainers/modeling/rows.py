@@ -22,6 +22,17 @@ class ActiveRows:
         for name, value in tensors.items():
             setattr(self, name, value)
         self.features_used = 0  # slots of ``features`` ever written (what compaction must move)
+        # Host-side bounds, read back once per step with the step's counts (rollout.Rollout._settle), so that no
+        # pass reads a device tensor to size itself: the largest ``state.length`` and ``state.length -
+        # draft_state.length`` of any live row, and the fewest tokens any live row has generated. Compaction keeps
+        # them valid (a maximum over fewer rows is no larger, a minimum no smaller).
+        self.max_length = 0
+        self.max_behind = 0
+        self.min_generated = 0
+        # Host copies where the host works on tokens (rollout history): each live row's place in the caller's
+        # batch, and its tokens (prompt without padding, then everything committed), extended by the step's read.
+        self.host_index: list[int] = list(range(self.size))
+        self.host_tokens: list[list[int]] | None = None
 
     @property
     def size(self) -> int:
@@ -31,9 +42,16 @@ class ActiveRows:
     def capacity(self) -> int:
         return self.seq.shape[1]
 
-    def compact(self, finished: torch.Tensor) -> None:
-        order, holes, movers = compaction_plan(finished)
-        n = order.shape[0]
+    def compact(self, finished: list[bool]) -> None:
+        """Drop the rows flagged in ``finished`` (one host-side flag per row)."""
+        order_list, holes, movers = compaction_plan(finished)
+        device = self.seq.device
+        order, holes, movers = (torch.tensor(v, dtype=torch.long).to(device, non_blocking=True)
+                                for v in (order_list, holes, movers))
+        n = len(order_list)
+        self.host_index = [self.host_index[i] for i in order_list]
+        if self.host_tokens is not None:
+            self.host_tokens = [self.host_tokens[i] for i in order_list]
         for name in self.names:
             value = getattr(self, name)
             if value is None:

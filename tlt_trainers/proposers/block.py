@@ -35,7 +35,7 @@ class BlockProposer:
         """Write the context keys and values of the slots committed since the drafter last ran."""
         dstate = rows.draft_state
         pending = rows.state.length - dstate.length
-        width = int(pending.max())
+        width = rows.max_behind  # the host's bound on pending.max() (reading it would stall a GPU)
         if width <= 0:
             return
         start = self.clock() if width > STEADY_CATCH_UP else None
@@ -44,8 +44,10 @@ class BlockProposer:
         slots = (dstate.length[:, None] + torch.arange(width, device=pending.device)).clamp(max=rows.capacity - 1)
         features = rows.features.gather(1, slots[..., None].expand(-1, -1, rows.features.shape[-1]))
         positions = (slots - dstate.pad[:, None]).clamp(min=0)
-        self.drafter.write_context(features, positions, rows.draft_kv, slots)
+        self.drafter.write_context(features, positions, rows.draft_kv, slots,
+                                   kv_len=min(rows.max_length + width, rows.capacity))
         dstate.length = rows.state.length.clone()
+        rows.max_behind = 0
         if start is not None:
             self.catch_up_seconds = self.clock() - start
 
@@ -55,13 +57,13 @@ class BlockProposer:
         length, pad = rows.state.length, rows.state.pad
         width = strategy.depth + 1
         slots = length[:, None] + torch.arange(width, device=length.device)
-        kv_len = int(slots.max()) + 1
+        kv_len = min(rows.max_length + width, rows.capacity)  # the host's bound on slots.max() + 1
         keys = torch.arange(kv_len, device=length.device)[None, None, :]
         # the row's committed context, and the whole block (no causal mask inside it)
         allowed = (keys >= pad[:, None, None]) & (keys < length[:, None, None] + width)
         allowed = allowed.expand(-1, width, -1)
         hidden = drafter.draft(rows.seq.gather(1, length[:, None])[:, 0], slots - pad[:, None],
-                               additive_mask(allowed, rows.features.dtype), rows.draft_kv, slots)
+                               additive_mask(allowed, rows.features.dtype), rows.draft_kv, slots, kv_len=kv_len)
         logits = drafter.logits(hidden[:, 1:])  # [B, K, V']: masked slot j scores the token at length + j
         if not sampling.do_sample:
             draft_ids = logits.argmax(dim=-1)

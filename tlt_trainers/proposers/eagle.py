@@ -55,21 +55,27 @@ class DrafterRunner:
         """
         dstate = rows.draft_state
         pending = rows.state.length - dstate.length  # pairs (h_s, x_{s+1}) the drafter has not seen yet
-        width = int(pending.max())
+        # The host's bound on the widest row (no read of ``pending``): rows with fewer pending pairs compute past
+        # their length into scratch slots, which later passes overwrite before anything attends to them.
+        width = rows.max_behind
         start = self.clock() if width > STEADY_CATCH_UP else None
         slots = (dstate.length[:, None] + torch.arange(width, device=pending.device)).clamp(max=rows.capacity - 2)
         hidden_in = rows.features.gather(1, slots[..., None].expand(-1, -1, rows.features.shape[-1]))
         tokens_in = rows.seq.gather(1, slots + 1)
-        feature = self.run(rows, hidden_in, tokens_in, slots)
+        feature = self.run(rows, hidden_in, tokens_in, slots, kv_len=min(rows.max_length + width, rows.capacity - 1))
         dstate.length = rows.state.length.clone()
+        rows.max_behind = 0
         if start is not None:
             self.catch_up_seconds = self.clock() - start
         return feature[torch.arange(pending.shape[0], device=pending.device), pending - 1]
 
-    def run(self, rows: ActiveRows, hidden, tokens, slots, positions=None, allowed=None) -> torch.Tensor:
-        """One drafter pass writing its keys at ``slots`` [B, q]; causal over the row unless ``allowed`` is given."""
+    def run(self, rows: ActiveRows, hidden, tokens, slots, positions=None, allowed=None,
+            kv_len: int | None = None) -> torch.Tensor:
+        """One drafter pass writing its keys at ``slots`` [B, q]; causal over the row unless ``allowed`` is given.
+        ``kv_len``: the host's bound on ``slots.max() + 1`` (reading it would stall a GPU)."""
         dstate = rows.draft_state
-        kv_len = int(slots.max()) + 1
+        if kv_len is None:
+            kv_len = int(slots.max()) + 1
         if allowed is None:
             allowed = attention_allowed(dstate, slots, kv_len)
         mask = additive_mask(allowed[..., :kv_len], hidden.dtype)
@@ -109,7 +115,8 @@ class EagleChainProposer:
             draft_tokens.append(token)
             if j + 1 < strategy.depth:
                 slot = (rows.state.length + j)[:, None]
-                feature = runner.run(rows, feature[:, None], token[:, None], slot)[:, 0]
+                feature = runner.run(rows, feature[:, None], token[:, None], slot,
+                                     kv_len=min(rows.max_length + j + 1, rows.capacity))[:, 0]
         tokens = torch.stack(draft_tokens, dim=1)
         if not draft_probs:
             return Proposal.chain(tokens)
@@ -156,14 +163,14 @@ class EagleTreeProposer:
         for level in range(1, depth):
             slots = length[:, None] + (level - 1) * width + torch.arange(width, device=device)
             ancestry = torch.cat([ancestry, slots[..., None]], dim=2)
-            kv_len = int(slots.max()) + 1
+            kv_len = min(rows.max_length + level * width, rows.capacity)  # the host's bound on slots.max() + 1
             if committed is None:
                 keys = torch.arange(kv_len + (depth - 1) * width, device=device)
                 committed = (keys[None] >= pad[:, None]) & (keys[None] < length[:, None])
             allowed = committed[:, None, :].expand(batch, width, -1).clone()
             allowed.scatter_(2, ancestry, True)
             positions = (length - pad)[:, None].expand(-1, width) + (level - 1)
-            out = runner.run(rows, beam_feature, beam_tokens, slots, positions, allowed)
+            out = runner.run(rows, beam_feature, beam_tokens, slots, positions, allowed, kv_len=kv_len)
             child_scores, child_ids = runner.log_probs(out).topk(width, dim=-1)  # [B, W, W]
             child_scores = beam_scores[..., None] + child_scores - penalty
             flat_scores = child_scores.reshape(batch, width * width)
@@ -195,4 +202,4 @@ class EagleTreeProposer:
         node_of = torch.zeros(batch, all_scores.shape[1] + 1, dtype=torch.long, device=device)
         node_of.scatter_(1, chosen + 1, torch.arange(1, budget + 1, device=device).expand(batch, -1))
         parents = node_of.gather(1, all_parents.gather(1, chosen) + 1)
-        return DraftTree(all_tokens.gather(1, chosen), parents, all_depths.gather(1, chosen))
+        return DraftTree(all_tokens.gather(1, chosen), parents, all_depths.gather(1, chosen), depth_bound=depth)

@@ -44,11 +44,10 @@ class HistoryProposer:
     def matches(self, rows: ActiveRows, k: int) -> tuple[list[HistoryMatch], list[list[int]]]:
         """This step's matches (up to k tokens per row) and the rows' contexts."""
         if self._cached is None or self._cached[0] < k:
-            ends = (rows.state.length + 1).tolist()  # committed tokens and the pending one
-            pads = rows.state.pad.tolist()
-            seqs = rows.seq[:, : max(ends)].tolist()
-            keys = [self.keys[i] for i in rows.index.tolist()]
-            contexts = [seq[p:e] for seq, p, e in zip(seqs, pads, ends)]
+            # The rows' tokens as the host holds them (committed ones and the pending one; the engine extends
+            # them from each step's one read), so matching reads nothing back from the device.
+            contexts = rows.host_tokens
+            keys = [self.keys[i] for i in rows.host_index]
             self._cached = (k, self.history.propose_many(keys, contexts, k), contexts)
         return self._cached[1], self._cached[2]
 
@@ -79,7 +78,8 @@ class HistoryProposer:
         own draws)."""
         matches, contexts = self.matches(rows, k)
         lengths = [min(len(m.tokens), k) for m in matches]
-        width = pad_to or max(max(lengths), 1)
+        self.longest = max(lengths, default=0)
+        width = pad_to or max(self.longest, 1)
         chains = []
         for context, match, n in zip(contexts, matches, lengths):
             tokens = match.tokens[:n] or [context[-1]]
@@ -92,7 +92,7 @@ class HistoryProposer:
     def propose(self, rows: ActiveRows, strategy: Strategy) -> Proposal | None:
         """The rows' history chains; None (a plain step) when no row has a match."""
         tokens, lengths = self.chains(rows, strategy.history_tokens)
-        return None if int(lengths.max()) == 0 else Proposal.chain(tokens)
+        return None if self.longest == 0 else Proposal.chain(tokens)
 
 
 class MergedProposer:
@@ -116,4 +116,4 @@ class MergedProposer:
         tokens = torch.where(on_chain, chain.gather(1, t), tree.tokens)
         parents = torch.where(on_chain, torch.where(t == 0, 0, node), tree.parents)  # node j's previous is j
         depths = torch.where(on_chain, t + 1, tree.depths)
-        return Proposal(DraftTree(tokens, parents, depths), is_chain=False)
+        return Proposal(DraftTree(tokens, parents, depths, depth_bound=max(strategy.depth, k)), is_chain=False)

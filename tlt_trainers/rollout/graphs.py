@@ -34,6 +34,7 @@ import torch
 
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowCache, WritePlan
+from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ class GraphRunner:
         self.feature_layers = feature_layers  # None: the drafter reads the final hidden state
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
-        self.captures = 0
+        self.captures = 0  # CUDA graphs captured
+        self.shapes_prepared = 0  # (bucket, tokens per row) set up: a capture with "cuda", its dry run with "static"
         self.replays = 0
         self.disabled: str | None = None  # why this runner went back to eager passes (a failed self-check)
 
@@ -117,6 +119,10 @@ class GraphRunner:
 
     def _run(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drafter's features, logits) of one eager pass over the static inputs."""
+        with graph_region():
+            return self._pass(static)
+
+    def _pass(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.plan = WritePlan(static["slots"], self.capacity)
         masks = static["masks"]
         mask = masks["full"] if set(masks) == {"full"} else {
@@ -142,6 +148,7 @@ class GraphRunner:
         if entry is None:
             static = self._static_inputs(bucket, q, masks)
             entry = self.graphs[key] = (static, None, None)
+            self.shapes_prepared += 1
         static = entry[0]
         static["tokens"][:batch].copy_(tokens)
         static["positions"][:batch].copy_(positions)

@@ -34,6 +34,15 @@ class GenerationResult:
 
 
 @dataclass
+class StepReport:
+    """What :meth:`Rollout._settle` read back from the device for one step."""
+
+    emitted: int  # tokens appended over all rows
+    counts: list[int]  # the step's statistics, in the order they were passed
+    expected_gap: float | None = None  # sum of (first-draft acceptance probability - its 0/1 accept)
+
+
+@dataclass
 class StepOutcome:
     emitted: int  # tokens appended over all rows
     drafted: int  # draft nodes verified over all rows
@@ -79,6 +88,9 @@ class Rollout:
             self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity, mode=graph_mode,
                                       feature_layers=self.feature_layers)
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
+        if self.history is not None:  # the history matches on the host: it keeps the rows' tokens there
+            prompts, pads = input_ids.tolist(), pad.tolist()
+            self.rows.host_tokens = [prompt[p:] for prompt, p in zip(prompts, pads)]
         # Adaptive: history:K arms are valued from each step's matches (which cost no compute).
         self.history_arm_tokens = 0
         if self.selector is not None and self.history is not None:
@@ -147,18 +159,26 @@ class Rollout:
             depths = torch.cat([torch.zeros_like(slots[:, :1]), tree.depths], dim=1)
             positions = (length - rows.state.pad)[:, None] + depths
             closure = None if proposal.is_chain and rows.presence is None else tree.ancestors()
-            features, logits = self._policy_pass(tokens, positions, slots,
+            # slots.max() + 1 bounded on the host (rows that finished this step may still count in max_length)
+            kv_len = min(rows.max_length + tree.num_nodes + 1, self.capacity)
+            features, logits = self._policy_pass(tokens, positions, slots, kv_len,
                                                  self._mask_builder(proposal.is_chain, closure, positions, slots))
             scores = process_logits(logits, self.params, self._presence_in_tree(tree, closure), self.warpers)
             verdict = verify(proposal, scores, self.params.do_sample, self.generator)
             self._keep_accepted_path(proposal.is_chain, verdict, features, slots)
-            emitted = self._commit(verdict.emitted(tree), verdict.num_accepted, length + 1,
-                                   advance=verdict.num_accepted + 1)
-        outcome = StepOutcome(emitted, batch * tree.num_nodes, int(verdict.num_accepted.sum()),
-                              int((verdict.num_accepted > 0).sum()) if tree.num_nodes else 0)
-        if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
-            kept_first = (verdict.num_accepted > 0).to(verdict.first_acceptance.dtype)
-            outcome.expected_emitted = emitted + float((verdict.first_acceptance - kept_first).sum())
+            emitted = verdict.emitted(tree)
+            count, finished = self._commit(emitted, verdict.num_accepted, length + 1,
+                                           advance=verdict.num_accepted + 1)
+            accepted = verdict.num_accepted
+            counts = [accepted.sum(), (accepted > 0).sum()]
+            expected_gap = None
+            if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
+                expected_gap = (verdict.first_acceptance - (accepted > 0).to(verdict.first_acceptance.dtype)).sum()
+            report = self._settle(emitted, count, finished, counts, expected_gap)
+        emitted, accepted_total, first_accepted = report.emitted, report.counts[0], report.counts[1]
+        outcome = StepOutcome(emitted, batch * tree.num_nodes, accepted_total, first_accepted if tree.num_nodes else 0)
+        if report.expected_gap is not None:
+            outcome.expected_emitted = emitted + report.expected_gap
         return outcome
 
     def _mask_builder(self, is_chain: bool, closure, positions, slots) -> Callable[[int], torch.Tensor]:
@@ -199,9 +219,9 @@ class Rollout:
     def _now(self) -> float:
         return self.timer.now()
 
-    def _policy_pass(self, tokens, positions, slots, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's features and float32 logits of a decode/verify pass; ``mask_for(kv_len)`` builds its
-        mask(s).
+    def _policy_pass(self, tokens, positions, slots, kv_len: int, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's features and float32 logits of a decode/verify pass over the first ``kv_len`` cache slots
+        (at least ``slots.max() + 1``); ``mask_for(kv_len)`` builds its mask(s).
 
         Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner; the
         graph outputs the drafter's features too (EAGLE-3's tapped layers included).
@@ -212,13 +232,12 @@ class Rollout:
             masks = {"full": mask} if isinstance(mask, torch.Tensor) else {
                 "full": mask["full_attention"], "sliding": mask["sliding_attention"]}
             return runner(tokens, positions, slots, masks)
-        hidden, features = self._target_pass(tokens, positions, slots, mask_for)
+        hidden, features = self._target_pass(tokens, positions, slots, kv_len, mask_for)
         return features, self.target.logits(hidden)
 
-    def _target_pass(self, tokens, positions, slots, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target_pass(self, tokens, positions, slots, kv_len: int, mask_for) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden states, the drafter's features) of one policy pass: the same tensor unless the drafter
         reads other layers (EAGLE-3), which hooks collect from this very pass."""
-        kv_len = int(slots.max()) + 1
         self.rows.cache.plan = WritePlan(slots, kv_len)
         if self.feature_layers is None:
             hidden = self.target.forward(tokens, positions, mask_for(kv_len), self.rows.cache)
@@ -234,7 +253,8 @@ class Rollout:
         if rows.features is None:
             rows.features = hidden.new_zeros(hidden.shape[0], self.capacity, hidden.shape[-1])
         rows.features.scatter_(1, slots[..., None].expand(-1, -1, hidden.shape[-1]), hidden)
-        rows.features_used = max(rows.features_used, int(slots.max()) + 1)
+        # slots run from a row's length over at most slots.shape[1] places: a bound that needs no read
+        rows.features_used = min(max(rows.features_used, rows.max_length + slots.shape[1]), rows.capacity)
 
     def _record_memory(self) -> None:
         rows = self.rows
@@ -250,20 +270,23 @@ class Rollout:
         with self.timer.phase("prefill"):
             slots = torch.arange(self.prompt_len, device=self.device).expand(rows.size, -1)
             positions = (slots - rows.state.pad[:, None]).clamp(min=0)
-            hidden, features = self._target_pass(self.input_ids, positions, slots,
+            hidden, features = self._target_pass(self.input_ids, positions, slots, self.prompt_len,
                                                  lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
             rows.state.length = torch.full_like(rows.state.length, self.prompt_len)
             self._store_features(features, slots)
             scores = process_logits(self.target.logits(hidden[:, -1]), self.params, rows.presence, self.warpers)
             first = verify(Proposal.nothing(rows.size, self.device), scores[:, None], self.params.do_sample,
                            self.generator).next_token
-            self._commit(first[:, None], torch.zeros_like(first), rows.state.length, advance=torch.zeros_like(first))
+            count, finished = self._commit(first[:, None], torch.zeros_like(first), rows.state.length,
+                                           advance=torch.zeros_like(first))
+            self._settle(first[:, None], count, finished)
 
     # ------------------------------------------------------------------ commit
     def _commit(self, emitted: torch.Tensor, num_accepted: torch.Tensor, first_slot: torch.Tensor,
-                advance: torch.Tensor) -> int:
+                advance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``num_accepted + 1`` tokens of ``emitted`` [B, w] per row from ``first_slot``, cut at EOS and
-        ``max_new_tokens``; the policy's cache keeps ``advance`` more slots. Returns tokens appended.
+        ``max_new_tokens``; the policy's cache keeps ``advance`` more slots. Returns (tokens appended [B], finished
+        [B]) on the device: :meth:`_settle` reads them, with the step's other counts, in one transfer.
         """
         rows = self.rows
         width = emitted.shape[1]
@@ -290,33 +313,68 @@ class Rollout:
         rows.generated += count
         rows.state.length = rows.state.length + advance
         finished = hit_eos | (rows.generated >= self.max_new)
-        total = int(count.sum())
+        return count, finished
+
+    def _settle(self, emitted: torch.Tensor, count: torch.Tensor, finished: torch.Tensor,
+                counts: list[torch.Tensor] = (), expected_gap: torch.Tensor | None = None) -> StepReport:
+        """The step's one device-to-host read: tokens appended, finished rows, the host's bounds for the next step
+        (:class:`~tlt_trainers.modeling.rows.ActiveRows`), ``counts`` (the step's statistics) and, where the host
+        keeps the rows' tokens (rollout history), the ``emitted`` [B, w] tokens and their ``count`` [B], as one
+        tensor. Then finished rows retire (one more read, on the steps where rows finish)."""
+        rows = self.rows
+        values = [count.sum(), finished.sum(), rows.state.length.max(), rows.generated.min()]
+        if rows.draft_state is not None:
+            values.append((rows.state.length - rows.draft_state.length).max())
+        values += list(counts)
+        packed = torch.stack(values)
+        tokens = rows.host_tokens is not None
+        if tokens:
+            packed = torch.cat([packed, count, emitted.reshape(-1)])
+        if expected_gap is not None:
+            packed = torch.cat([packed.to(torch.float64), expected_gap.to(torch.float64)[None]])
+        host = packed.tolist()
+        total, num_finished, rows.max_length, rows.min_generated = (int(v) for v in host[:4])
+        rest = host[4:]
+        if rows.draft_state is not None:
+            rows.max_behind, rest = int(rest[0]), rest[1:]
+        report = StepReport(total, [int(v) for v in rest[: len(counts)]],
+                            None if expected_gap is None else float(rest[-1]))
+        if tokens:
+            batch, width = emitted.shape
+            appended = [int(v) for v in rest[len(counts) : len(counts) + batch]]
+            flat = rest[len(counts) + batch : len(counts) + batch + batch * width]
+            for i, n in enumerate(appended):
+                rows.host_tokens[i] = rows.host_tokens[i] + [int(v) for v in flat[i * width : i * width + n]]
         self.stats.generated_tokens += total
-        if finished.any():
+        if num_finished:
             self._retire(finished)
-        return total
+        return report
 
     def _retire(self, finished: torch.Tensor) -> None:
         """Finished rows hand their completion to the result, the history and the feature sink, then leave."""
         rows = self.rows
-        for i in finished.nonzero().squeeze(1).tolist():
-            n, start, pad, row = int(rows.generated[i]), self.prompt_len, int(rows.state.pad[i]), int(rows.index[i])
+        per_row = torch.stack([finished.to(torch.long), rows.generated, rows.state.pad, rows.index], dim=1)
+        host = per_row.tolist()  # this step's one more read: which rows finished, and what the host needs of them
+        flags = [bool(values[0]) for values in host]
+        start = self.prompt_len
+        for i in (i for i, done in enumerate(flags) if done):
+            n, pad, row = host[i][1:4]
             self.completions[row, :n] = rows.seq[i, start : start + n]
             self.lengths[row] = n
             if self.history is not None:
-                self.history.remember(row, rows.seq[i, pad : start + n].tolist())
+                self.history.remember(row, rows.host_tokens[i])  # the prompt and this row's n tokens
             if self.feature_sink is not None:
                 # Features exist for every real token but the last (never fed back to the policy).
                 # Copies: compaction later moves other rows into this row's buffers.
                 self.feature_sink(rows.seq[i, pad : start + n].clone(), rows.features[i, pad : start + n - 1].clone())
-        rows.compact(finished)
+        rows.compact(flags)
 
     # ------------------------------------------------------------------ main loop
     def _choose(self) -> Strategy:
         batch = self.rows.size
         if not self.engine.strategies:
             return NONE
-        remaining = int((self.max_new - self.rows.generated).max())
+        remaining = self.max_new - self.rows.min_generated  # the host's bound (no read)
         if remaining <= 1:
             return NONE  # the next token is the last one: nothing to draft for
         cap = self.config.max_speculative_batch_size

@@ -30,6 +30,9 @@ class DraftTree:
     tokens: torch.Tensor  # [B, N] candidate tokens (target vocabulary)
     parents: torch.Tensor  # [B, N] parent node of each candidate, in 0..N (0 = the root)
     depths: torch.Tensor  # [B, N] 1 for children of the root
+    # At least the deepest node's depth, as its builder knows it on the host (a chain's length, a tree's levels):
+    # reading ``depths`` back would stall a GPU. None: read it.
+    depth_bound: int | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -37,6 +40,10 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
+        """Verification walks this many levels (more than the deepest node only costs levels where nothing
+        matches)."""
+        if self.depth_bound is not None:
+            return min(self.depth_bound, self.num_nodes)
         return int(self.depths.max()) if self.tokens.numel() else 0
 
     def ancestors(self) -> torch.Tensor:
@@ -57,7 +64,7 @@ class DraftTree:
         """A chain of k candidates per row as a tree (each node the parent of the next)."""
         batch, k = tokens.shape
         steps = torch.arange(k, device=tokens.device).expand(batch, -1)
-        return DraftTree(tokens, steps.clone(), steps + 1)
+        return DraftTree(tokens, steps.clone(), steps + 1, depth_bound=k)
 
 
 def check_tree(tree: DraftTree) -> None:
