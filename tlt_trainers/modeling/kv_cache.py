@@ -57,8 +57,9 @@ class RowState:
 class RowKV:
     """Key/value buffers [B, H, capacity, D] written at per-row offsets."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, reserve_rows: int = 0):
         self.capacity = capacity
+        self.reserve_rows = reserve_rows  # rows to allocate at least (a CUDA-graph bucket above the live batch)
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.used = 0  # slots ever written: what compaction has to move
@@ -71,9 +72,9 @@ class RowKV:
         """
         if self.keys is None:
             b, h, _, d = keys.shape
-            self.keys = keys.new_zeros(b, h, self.capacity, d)
-            self.values = values.new_zeros(b, h, self.capacity, d)
-            self.storage = (self.keys, self.values)
+            rows = max(b, self.reserve_rows)
+            self.storage = (keys.new_zeros(rows, h, self.capacity, d), values.new_zeros(rows, h, self.capacity, d))
+            self.keys, self.values = self.storage[0][:b], self.storage[1][:b]
         if kv_len > self.capacity:
             raise RuntimeError(f"KV cache overflow: {kv_len} slots needed, {self.capacity} allocated.")
         b, h, q, d = keys.shape
@@ -85,6 +86,14 @@ class RowKV:
         key_buffer.scatter_(2, slot, keys)
         value_buffer.scatter_(2, slot, values.to(value_buffer.dtype))
         return key_buffer[:, :, :kv_len], value_buffer[:, :, :kv_len]
+
+    def reset(self, rows: int) -> None:
+        """Start a new batch of ``rows`` rows on the same storage (what a CUDA graph captured keeps reading)."""
+        if self.storage is not None:
+            if rows > self.storage[0].shape[0]:
+                raise ValueError(f"RowKV.reset: {rows} rows do not fit the {self.storage[0].shape[0]} allocated.")
+            self.keys, self.values = self.storage[0][:rows], self.storage[1][:rows]
+        self.used = 0
 
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
         """Drop finished rows in place: rows ``movers`` move into ``holes``, the buffers become views of n rows.
@@ -127,10 +136,10 @@ def plan_writes(state: RowState, num_new: int, kv_len: int) -> WritePlan:
 class _RowCacheLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, owner: RowCache):
+    def __init__(self, owner: RowCache, reserve_rows: int = 0):
         super().__init__()
         self.owner = owner
-        self.store = RowKV(owner.capacity)
+        self.store = RowKV(owner.capacity, reserve_rows)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -156,10 +165,16 @@ class _RowCacheLayer(CacheLayerMixin):
 class RowCache(Cache):
     """A transformers ``Cache`` backed by :class:`RowKV`; the engine sets ``plan`` before each forward."""
 
-    def __init__(self, num_layers: int, capacity: int):
+    def __init__(self, num_layers: int, capacity: int, reserve_rows: int = 0):
         self.capacity = capacity
         self.plan: WritePlan | None = None
-        super().__init__(layers=[_RowCacheLayer(self) for _ in range(num_layers)])
+        super().__init__(layers=[_RowCacheLayer(self, reserve_rows) for _ in range(num_layers)])
+
+    def reset(self, rows: int) -> None:
+        """Reuse the cache's storage for a new batch of ``rows`` rows (stale slots are masked until rewritten)."""
+        self.plan = None
+        for layer in self.layers:
+            layer.store.reset(rows)
 
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
         for layer in self.layers:

@@ -153,8 +153,8 @@ class TargetModel:
     def vocab_size(self) -> int:
         return self.head.weight.shape[0]
 
-    def new_cache(self, capacity: int) -> RowCache:
-        return RowCache(self.num_layers, capacity)
+    def new_cache(self, capacity: int, reserve_rows: int = 0) -> RowCache:
+        return RowCache(self.num_layers, capacity, reserve_rows)
 
     def attention_mask(self, state: RowState, query_slots: torch.Tensor, kv_len: int):
         full = additive_mask(attention_allowed(state, query_slots, kv_len), self.dtype)

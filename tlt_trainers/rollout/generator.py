@@ -22,6 +22,7 @@ from ..proposers.rollout_history import RolloutHistory
 from ..sampling.distribution import check_generation_config, resolve_sampling
 from .cost_cache import cost_key, load_costs, save_costs
 from .costs import FIXED_SHARE_RATE, CostProfile, linear_weights, profile_costs
+from .graphs import GraphRunner, GraphSession, parameters_key
 from .rollout import GenerationResult, Rollout
 from .selector import StrategySelector
 
@@ -92,10 +93,38 @@ class SpeculativeGenerator:
         if drafter is not None:
             self.cost_profile.drafter_share = linear_weights(drafter) / max(linear_weights(model), 1)
         self._selectors: dict[tuple, StrategySelector] = {}
+        self._graph_session: GraphSession | None = None
         self._cost_key: dict | None = None
         self._last_batch, self._last_context = 0, 0  # of the latest adaptive rollout: what idle-time timing covers
         if self.config.speculation == "adaptive" and self.strategies:
             self.load_costs()
+
+    def graph_session(self, rollout, batch: int, capacity: int, feature_layers) -> GraphSession | None:
+        """The cache and CUDA-graph runner for a rollout of ``batch`` rows and ``capacity`` slots (None: eager
+        passes, ``cuda_graphs`` off or not on CUDA). Kept across calls, so graphs are captured once per shape for
+        the engine's life; a new session replaces it when shapes grow, parameters move to other memory or it is in
+        use by another rollout of this engine (then that rollout's is private)."""
+        mode = GraphRunner.mode_for(self.config.cuda_graphs, self.target.device, self.target, feature_layers)
+        if mode is None:
+            return None
+        params = parameters_key(self.model, self.drafter)
+        session = self._graph_session
+        if session is not None and session.in_use():
+            private = GraphSession(self.target, batch, GraphSession.capacity_for(capacity), mode, feature_layers,
+                                   params)
+            private.take(rollout, batch)
+            return private
+        if session is None or not session.fits(batch, capacity, mode, feature_layers, params):
+            session = self._graph_session = GraphSession(
+                self.target, max(batch, session.max_batch if session is not None else 1),
+                GraphSession.capacity_for(capacity), mode, feature_layers, params)
+        session.take(rollout, batch)
+        return session
+
+    def release_graphs(self) -> None:
+        """Free the kept cache and CUDA graphs (their memory), e.g. before a training step that needs it; the next
+        call captures again."""
+        self._graph_session = None
 
     def selector(self, do_sample: bool = True, temperature: float = 1.0) -> StrategySelector | None:
         """The adaptive selector for a sampling regime (acceptance differs between greedy and sampling)."""

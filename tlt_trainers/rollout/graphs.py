@@ -241,3 +241,47 @@ class GraphRunner:
             outputs = self._run(static)
         self.pool = graph.pool()
         return graph, outputs
+
+
+def parameters_key(*modules) -> tuple:
+    """Where the modules' parameters live: graphs read them by address, so weights updated in place (an optimizer
+    step, a drafter reload) keep a graph valid, and re-allocated ones (``load_state_dict(assign=True)``, ``.to()``)
+    invalidate it."""
+    return tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for m in modules if m is not None for p in m.parameters())
+
+
+# Capacities are rounded up to a multiple of this, so calls whose prompts differ a little reuse one set of graphs
+CAPACITY_STEP = 256
+
+
+class GraphSession:
+    """The policy's cache and graph runner, kept by the engine across ``generate()`` calls: a later call with a
+    batch bucket and capacity that fit replays the graphs captured by an earlier one (the cache's storage, which
+    they read, stays put; its rows are reset). One rollout holds it at a time."""
+
+    def __init__(self, target, max_batch: int, capacity: int, mode: str, feature_layers, params_key: tuple):
+        self.max_batch, self.capacity, self.mode = graph_bucket(max_batch), capacity, mode
+        self.feature_layers, self.params_key = feature_layers, params_key
+        self.cache = target.new_cache(capacity, reserve_rows=self.max_batch)
+        self.runner = GraphRunner(target, self.cache, self.max_batch, capacity, mode=mode,
+                                  feature_layers=feature_layers)
+        self.holder = None  # a weak reference to the rollout using it
+
+    @staticmethod
+    def capacity_for(needed: int) -> int:
+        return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+
+    def fits(self, batch: int, capacity: int, mode: str, feature_layers, params_key: tuple) -> bool:
+        return (self.runner.disabled is None and graph_bucket(batch) <= self.max_batch and capacity <= self.capacity
+                and 2 * self.capacity_for(capacity) >= self.capacity and mode == self.mode and feature_layers == self.feature_layers
+                and params_key == self.params_key)
+
+    def in_use(self) -> bool:
+        holder = self.holder() if self.holder is not None else None
+        return holder is not None and holder.rows.size > 0
+
+    def take(self, rollout, batch: int) -> None:
+        import weakref
+
+        self.holder = weakref.ref(rollout)
+        self.cache.reset(batch)

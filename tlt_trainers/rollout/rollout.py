@@ -23,7 +23,6 @@ from ..proposers.strategy import NONE, Strategy
 from ..sampling.distribution import SamplingParams, process_logits
 from ..sampling.tree import DraftTree
 from ..sampling.verify import Proposal, Verdict, verify
-from .graphs import GraphRunner
 from .stats import GenerationStats, StepTimer
 
 
@@ -81,12 +80,11 @@ class Rollout:
                              f"({engine.drafter.feature_layers}); leave it unset to feed the sink what the drafter "
                              "reads.")
         self.feature_layers = tuple(feature_layers) if feature_layers is not None else None
-        self.rows = self._new_rows(input_ids, pad, params)
         self.graphs = None
-        graph_mode = GraphRunner.mode_for(self.config.cuda_graphs, self.device, self.target, self.feature_layers)
-        if graph_mode is not None:
-            self.graphs = GraphRunner(self.target, self.rows.cache, batch, self.capacity, mode=graph_mode,
-                                      feature_layers=self.feature_layers)
+        session = engine.graph_session(self, batch, self.capacity, self.feature_layers)
+        if session is not None:  # graphs (and the cache they read) kept from earlier calls where shapes fit
+            self.capacity, self.graphs = session.capacity, session.runner
+        self.rows = self._new_rows(input_ids, pad, params, session.cache if session is not None else None)
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
         if self.history is not None:  # the history matches on the host: it keeps the rows' tokens there
             prompts, pads = input_ids.tolist(), pad.tolist()
@@ -98,7 +96,8 @@ class Rollout:
         self._begin: float | None = None  # set by begin(): the clock of stats.total_seconds
         self._progress = None
 
-    def _new_rows(self, input_ids: torch.Tensor, pad: torch.Tensor, params: SamplingParams) -> ActiveRows:
+    def _new_rows(self, input_ids: torch.Tensor, pad: torch.Tensor, params: SamplingParams,
+                  cache=None) -> ActiveRows:
         batch = input_ids.shape[0]
         seq = torch.full((batch, self.capacity), self.pad_token_id, dtype=torch.long, device=self.device)
         seq[:, : self.prompt_len] = input_ids
@@ -115,7 +114,7 @@ class Rollout:
             generated=torch.zeros(batch, dtype=torch.long, device=self.device),
             presence=presence,
             features=None,
-            cache=self.target.new_cache(self.capacity),
+            cache=cache if cache is not None else self.target.new_cache(self.capacity),
             draft_kv=drafter.new_kv(self.capacity) if drafter is not None else None,
         )
 
@@ -412,7 +411,8 @@ class Rollout:
         strategy = self._choose()
         start = self._now()
         outcome = self.speculative_step(strategy)
-        seconds = self._now() - start
+        seconds = self._now() - start  # the device's time too: the step ends with its one read, which waits for it
+        self.timer.flush()
         self.stats.record_step(batch, outcome.emitted, outcome.drafted, outcome.accepted, seconds, strategy.name,
                                first_accepted=outcome.first_accepted)
         if self.selector is not None:
@@ -427,6 +427,7 @@ class Rollout:
     def finish(self) -> GenerationResult:
         if self._progress is not None:
             self._progress.close()
+        self.timer.flush(wait=True)
         self.stats.total_seconds = self._now() - self._begin
         if self.history is not None:
             self.stats.history_proposed = self.history.proposed_tokens

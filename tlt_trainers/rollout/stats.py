@@ -152,23 +152,52 @@ class RolloutCounters:
 
 
 class StepTimer:
-    """Adds the wall time of a phase (``prefill``, ``draft``, ``verify``, ``decode``) to ``stats.<phase>_seconds``;
-    on CUDA it synchronizes first, so a phase's time is the device's, not the launch's."""
+    """Adds the time of a phase (``prefill``, ``draft``, ``verify``, ``decode``) to ``stats.<phase>_seconds``.
+
+    On CUDA a phase is timed by CUDA events, read once they have completed (:meth:`flush`, after the step's one
+    read has waited for the device anyway): the loop never synchronizes the device to time itself. Elsewhere, the
+    host's clock (the host runs the ops)."""
 
     def __init__(self, stats: GenerationStats, device: torch.device):
-        self.stats, self.sync = stats, device.type == "cuda"
-        self.device = device
+        self.stats, self.device = stats, device
+        self.events = device.type == "cuda"
+        self._pending: list[tuple[str, object, object]] = []  # (phase, start event, end event) not yet read
 
     def now(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _add(self, name: str, seconds: float) -> None:
+        field_name = f"{name}_seconds"
+        setattr(self.stats, field_name, getattr(self.stats, field_name) + seconds)
 
     @contextmanager
     def phase(self, name: str):
-        start = self.now()
+        if self.events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((name, start, end))
+            return
+        start = time.perf_counter()
         try:
             yield
         finally:
-            field_name = f"{name}_seconds"
-            setattr(self.stats, field_name, getattr(self.stats, field_name) + self.now() - start)
+            self._add(name, time.perf_counter() - start)
+
+    def flush(self, wait: bool = False) -> None:
+        """Add the phases whose events have completed (all of them with ``wait``: the end of a call)."""
+        if not self._pending:
+            return
+        if wait:
+            self._pending[-1][2].synchronize()
+        keep = []
+        for name, start, end in self._pending:
+            if end.query():
+                self._add(name, start.elapsed_time(end) / 1000.0)
+            else:
+                keep.append((name, start, end))
+        self._pending = keep
