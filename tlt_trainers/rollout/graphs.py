@@ -272,9 +272,10 @@ class GraphSession:
         return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
     def fits(self, batch: int, capacity: int, mode: str, feature_layers, params_key: tuple) -> bool:
-        return (self.runner.disabled is None and graph_bucket(batch) <= self.max_batch and capacity <= self.capacity
-                and 2 * self.capacity_for(capacity) >= self.capacity and mode == self.mode and feature_layers == self.feature_layers
-                and params_key == self.params_key)
+        # Not a session twice the size needed: full-capacity attention would cost more than a capture saves
+        return (self.runner.disabled is None and graph_bucket(batch) <= self.max_batch
+                and capacity <= self.capacity <= 2 * self.capacity_for(capacity) and mode == self.mode
+                and feature_layers == self.feature_layers and params_key == self.params_key)
 
     def in_use(self) -> bool:
         holder = self.holder() if self.holder is not None else None
