@@ -25,6 +25,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 from tlt_trainers import Eagle3Drafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.rollout import graphs as graphs_module
 from tlt_trainers.rollout.graphs import GraphRunner
+from tlt_trainers.rollout.step_graphs import StepGraphs
 from tlt_trainers.sampling import verify as verify_module
 
 
@@ -213,7 +214,7 @@ class FakeGraph:
 
 def fake_capture(monkeypatch, behaviour="correct"):
     """CUDA graphs as on a GPU (cuda_graphs='auto' captures), the capture itself faked. Returns the graphs made."""
-    made = []
+    made = FakeGraphs()
     original = GraphRunner.mode_for
 
     def mode_for(setting, device, target, feature_layers):
@@ -226,9 +227,38 @@ def fake_capture(monkeypatch, behaviour="correct"):
         made.append(FakeGraph(self, static, outputs, corrupt=behaviour == "corrupt"))
         return made[-1], outputs
 
+    def record_step(self, body):
+        """A whole step's graph (tlt_trainers.rollout.step_graphs), faked the correct way: its replay reruns the
+        step into the captured outputs."""
+        result = body()
+        made.steps.append(FakeStepGraph(body, result))
+        return made.steps[-1], result
+
     monkeypatch.setattr(GraphRunner, "mode_for", staticmethod(mode_for))
     monkeypatch.setattr(GraphRunner, "_record", record)
+    monkeypatch.setattr(StepGraphs, "_record", record_step)
     return made
+
+
+class FakeGraphs(list):
+    """The faked policy-pass graphs, and ``steps``: the faked whole-step graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[FakeStepGraph] = []
+
+
+class FakeStepGraph:
+    def __init__(self, body, result):
+        self.body, self.result = body, result
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        fresh = self.body()
+        for out, new in ((self.result.packed, fresh.packed), (self.result.emitted, fresh.emitted),
+                         (self.result.finished, fresh.finished)):
+            out.copy_(new)
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +303,9 @@ def test_graphs_pass_their_self_check_and_replay(monkeypatch, caplog, graph_mode
     assert checks and all(c["agrees"] and c["difference"] == 0.0 for c in checks), checks
     assert {c["eagle3_features"] for c in checks} == {drafter_kind == "eagle3"}
     assert len(made) == runners[0].captures == len(checks)
-    assert sum(g.replays for g in made) > len(made)  # graphs replayed for later steps too
+    assert sum(g.replays for g in made) >= len(made)  # the first step's (its drafter catches up: eager step)
+    # Later steps: whole steps replayed from graphs, each checked against its eager run at capture
+    assert made.steps and sum(g.replays for g in made.steps) > len(made.steps)
     assert not tlt_warnings(caplog)
 
 
@@ -295,3 +327,36 @@ def test_a_graph_that_fails_its_self_check_runs_eagerly_with_one_warning(monkeyp
     assert ("EAGLE-3" in message) == (drafter_kind == "eagle3")
     assert ("RuntimeError" if behaviour == "raises" else "first replay differs") in message
     assert [c["agrees"] for c in graphs_module.graph_self_checks()] == [False]
+
+
+@pytest.mark.parametrize("behaviour", ["corrupt", "raises"])
+def test_a_step_graph_that_fails_its_self_check_runs_eagerly_with_one_warning(monkeypatch, caplog, graph_models,
+                                                                              behaviour):
+    """A whole-step graph whose first replay emits other tokens (or whose capture raises) is dropped with one
+    warning; the step reruns eagerly from the state saved before it, and the rollout still equals generate()."""
+    model, eagle3, _ = graph_models
+    fake_capture(monkeypatch)
+
+    def broken_step_record(self, body):
+        if behaviour == "raises":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (simulated)")
+        result = body()
+        graph = FakeStepGraph(body, result)
+        original_replay = graph.replay
+
+        def corrupt_replay():
+            original_replay()
+            graph.result.emitted.add_(1)
+
+        graph.replay = corrupt_replay
+        return graph, result
+
+    monkeypatch.setattr(StepGraphs, "_record", broken_step_record)
+    with caplog.at_level(logging.WARNING):
+        ours, reference, _ = greedy(model, eagle3)
+    assert torch.equal(ours[0], reference)
+    warnings = tlt_warnings(caplog)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "whole speculative step" in message and "eagerly" in message
+    assert ("RuntimeError" if behaviour == "raises" else "other tokens") in message

@@ -23,22 +23,14 @@ def trained():
 
 
 def runs_with_runner(engine, **kwargs):
-    """generate() and the graph runner it used."""
-    from tlt_trainers.rollout import graphs
-
-    seen = []
-    original = graphs.GraphRunner.__init__
-
-    def spy(self, *args, **kw):
-        original(self, *args, **kw)
-        seen.append(self)
-
-    graphs.GraphRunner.__init__ = spy
-    try:
-        result = engine.generate(**kwargs)
-    finally:
-        graphs.GraphRunner.__init__ = original
-    return result, seen[0] if seen else None
+    """generate() and the graph runner it used for the policy's passes (its ``step_replays``: whole steps replayed
+    from step graphs)."""
+    rollout = engine.start(**kwargs)
+    result = rollout.run()
+    runner = rollout.graphs
+    if runner is not None:
+        runner.step_replays = rollout.step_graphs.replays
+    return result, runner
 
 
 @pytest.mark.parametrize("strategy", ["none", "chain:3", "tree:3x2:6", "history:4", "tree:3x2:5+history:3"])
@@ -55,7 +47,11 @@ def test_static_graph_path_is_exact_greedy(trained, strategy):
     reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=eos,
                                pad_token_id=PAD)
     assert torch.equal(ours.sequences, reference)
-    assert runner is not None and runner.replays > 0
+    assert runner is not None and runner.replays + runner.step_replays > 0
+    if strategy in ("none", "chain:3"):  # whole steps traced (the first chain step catches up eagerly)
+        assert runner.step_replays > 0
+    else:  # trees and history: eager steps, the policy's pass from the graph runner
+        assert runner.replays > 0
     # Steps at 7, 6, 5 or 3 rows ran padded (to 8 or 4) with finished rows, through the same graph shapes.
     assert {r.batch_size for r in ours.stats.trace} - {1, 2, 4, 8}, "the test needs padded steps"
     assert {b for b, _ in runner.graphs} <= {1, 2, 4, 8}
@@ -91,7 +87,7 @@ def test_static_graph_path_with_eagle3_feature_taps():
                                           feature_sink=lambda seq, feats, sink=sink: sink.append((seq, feats)))
         runs[graphs] = result, runner, sink
     (eager, _, eager_sink), (static, runner, static_sink) = runs["off"], runs["static"]
-    assert runner is not None and runner.feature_layers == (1, 3, 5) and runner.replays > 0
+    assert runner is not None and runner.feature_layers == (1, 3, 5) and runner.step_replays > 0
     reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
                                pad_token_id=PAD)
     assert torch.equal(static.sequences, reference) and torch.equal(eager.sequences, reference)

@@ -43,15 +43,48 @@ def compact_in_place(buffer: torch.Tensor, holes: torch.Tensor, movers: torch.Te
 
 
 class RowState:
-    """Per-row bookkeeping shared by the target's and the drafter's caches."""
+    """Per-row bookkeeping shared by the target's and the drafter's caches: ``pad`` [B] (left padding of each row's
+    prompt) and ``length`` [B] (committed slots, pad included), views of the first B rows of buffers that never
+    move (see :class:`~.rows.ActiveRows`). Assigning a tensor of B rows writes into them; one of another size (the
+    reserved rows) replaces the buffer."""
 
     def __init__(self, pad: torch.Tensor, length: torch.Tensor):
-        self.pad = pad  # [B] left padding of each row's prompt
-        self.length = length  # [B] committed slots (pad included)
+        self._pad, self._length, self._size = pad, length, pad.shape[0]
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.pad = self.pad[keep]
-        self.length = self.length[keep]
+    def _assign(self, name: str, value: torch.Tensor) -> None:
+        if value.shape[0] == self._size:
+            getattr(self, name)[: self._size].copy_(value)
+        else:
+            setattr(self, name, value)
+
+    @property
+    def pad(self) -> torch.Tensor:
+        return self._pad[: self._size]
+
+    @pad.setter
+    def pad(self, value: torch.Tensor) -> None:
+        self._assign("_pad", value)
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self._length[: self._size]
+
+    @length.setter
+    def length(self, value: torch.Tensor) -> None:
+        self._assign("_length", value)
+
+    def view(self, rows: int) -> RowState:
+        """The first ``rows`` rows of the same buffers."""
+        view = RowState(self._pad, self._length)
+        view._size = rows
+        return view
+
+    def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
+        """Move rows ``movers`` into ``holes`` in place; n rows remain."""
+        if holes.numel():
+            for buffer in (self._pad, self._length):
+                buffer[holes] = buffer[movers]
+        self._size = n
 
 
 class RowKV:

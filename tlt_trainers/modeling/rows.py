@@ -1,10 +1,18 @@
-"""The per-row state of a batch being decoded, dropped together when rows finish."""
+"""The per-row state of a batch being decoded, dropped together when rows finish.
+
+Every per-row tensor lives in a buffer with room for ``reserved`` rows (a CUDA-graph bucket at least as large as
+the batch) and the live rows are its first ``size`` rows, a view. Dropping finished rows moves the last live rows
+into their places inside the same buffers (:func:`~.kv_cache.compaction_plan`), so nothing is ever re-allocated: a
+graph captured over the first ``bucket`` rows (:meth:`ActiveRows.padded`) keeps reading and writing the right
+memory for the whole call. Rows past the live ones are dead: ``live`` is False there, and a step advances nothing
+of theirs.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .kv_cache import compact_in_place, compaction_plan
+from .kv_cache import RowState, compact_in_place, compaction_plan
 
 
 class ActiveRows:
@@ -12,18 +20,31 @@ class ActiveRows:
 
     Fields the engine and the proposers share: ``index`` [B] (the row's place in the caller's batch), ``seq``
     [B, capacity] (prompt, committed tokens, the pending one), ``state`` (the policy cache's ``RowState``),
-    ``generated`` [B], ``presence`` [B, V] or None (tokens seen, for the repetition penalty), ``features``
-    [B, capacity, H] or None (the policy's hidden states per slot), ``cache``, and the drafter's ``draft_state``
-    and ``draft_kv`` (None without a drafter).
+    ``generated`` [B], ``live`` [B] (True: a row of the batch; False only in a :meth:`padded` view), ``presence``
+    [B, V] or None (tokens seen, for the repetition penalty), ``features`` [B, capacity, H] or None (the policy's
+    hidden states per slot), ``cache``, and the drafter's ``draft_state`` and ``draft_kv`` (None without a drafter).
     """
 
-    def __init__(self, **tensors):
-        self.names = list(tensors)
-        for name, value in tensors.items():
-            setattr(self, name, value)
+    TENSORS = ("index", "seq", "generated", "live", "presence", "features")
+
+    def __init__(self, state: RowState, draft_state: RowState | None, cache, draft_kv, reserved: int = 0,
+                 **tensors: torch.Tensor | None):
+        batch = tensors["seq"].shape[0]
+        self.reserved = max(reserved, batch)
+        self._size = batch
+        self.state, self.draft_state, self.cache, self.draft_kv = state, draft_state, cache, draft_kv
+        self._full: dict[str, torch.Tensor | None] = {}
+        tensors.setdefault("live", torch.ones(batch, dtype=torch.bool, device=tensors["seq"].device))
+        for name in self.TENSORS:
+            self._full[name] = self._reserve(tensors.get(name))
+        for row_state in (state, draft_state):
+            if row_state is not None:
+                row_state.pad, row_state.length = self._reserve(row_state.pad), self._reserve(row_state.length)
+        if self._full["live"] is not None:
+            self._full["live"][batch:] = False
         self.features_used = 0  # slots of ``features`` ever written (what compaction must move)
-        # Host-side bounds, read back once per step with the step's counts (rollout.Rollout._settle), so that no
-        # pass reads a device tensor to size itself: the largest ``state.length`` and ``state.length -
+        # Host-side bounds, read back once per step with the step's counts (rollout.Rollout._read_report), so that
+        # no pass reads a device tensor to size itself: the largest ``state.length`` and ``state.length -
         # draft_state.length`` of any live row, and the fewest tokens any live row has generated. Compaction keeps
         # them valid (a maximum over fewer rows is no larger, a minimum no smaller).
         self.max_length = 0
@@ -31,36 +52,83 @@ class ActiveRows:
         self.min_generated = 0
         # Host copies where the host works on tokens (rollout history): each live row's place in the caller's
         # batch, and its tokens (prompt without padding, then everything committed), extended by the step's read.
-        self.host_index: list[int] = list(range(self.size))
+        self.host_index: list[int] = list(range(batch))
         self.host_tokens: list[list[int]] | None = None
+        self.static_shapes = False  # a padded view traced into a graph: passes span the whole capacity
+
+    def _reserve(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor`` [batch, ...] copied into a buffer of ``reserved`` rows (the extra rows repeat row 0: valid
+        values for a dead row to compute on)."""
+        if tensor is None or tensor.shape[0] == self.reserved:
+            return tensor
+        extra = tensor[:1].expand(self.reserved - tensor.shape[0], *tensor.shape[1:])
+        return torch.cat([tensor, extra])
+
+    def __getattr__(self, name: str):
+        full = self.__dict__.get("_full")
+        if full is not None and name in full:
+            value = full[name]
+            return None if value is None else value[: self._size]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ActiveRows.TENSORS and "_full" in self.__dict__:
+            if value is not None and value.shape[0] < self.reserved:  # a new buffer (features, allocated late)
+                value = self._reserve(value)
+            self._full[name] = value
+            return
+        super().__setattr__(name, value)
 
     @property
     def size(self) -> int:
-        return self.seq.shape[0]
+        return self._size
 
     @property
     def capacity(self) -> int:
-        return self.seq.shape[1]
+        return self._full["seq"].shape[1]
+
+    def kv_bound(self, extra: int) -> int:
+        """Cache slots a pass must span when rows write up to ``extra`` slots past their length: the host's bound,
+        or the whole capacity in a view traced into a graph (whose shapes may not change from step to step)."""
+        if self.static_shapes:
+            return self.capacity
+        return min(self.max_length + extra, self.capacity)
+
+    def padded(self, bucket: int) -> ActiveRows:
+        """A view of the first ``bucket`` rows (the live ones, then dead ones) over the same buffers, for a step
+        traced into a graph of that batch size."""
+        if bucket > self.reserved:
+            raise ValueError(f"ActiveRows.padded({bucket}): only {self.reserved} rows are reserved.")
+        view = object.__new__(ActiveRows)
+        vars(view).update(vars(self))
+        vars(view)["_size"] = bucket
+        for name in ("state", "draft_state"):
+            row_state = getattr(self, name)
+            vars(view)[name] = None if row_state is None else row_state.view(bucket)
+        return view
 
     def compact(self, finished: list[bool]) -> None:
-        """Drop the rows flagged in ``finished`` (one host-side flag per row)."""
+        """Drop the rows flagged in ``finished`` (one host-side flag per live row), in place."""
         order_list, holes, movers = compaction_plan(finished)
-        device = self.seq.device
-        order, holes, movers = (torch.tensor(v, dtype=torch.long).to(device, non_blocking=True)
-                                for v in (order_list, holes, movers))
+        device = self._full["seq"].device
+        holes, movers = (torch.tensor(v, dtype=torch.long).to(device, non_blocking=True) for v in (holes, movers))
         n = len(order_list)
         self.host_index = [self.host_index[i] for i in order_list]
         if self.host_tokens is not None:
             self.host_tokens = [self.host_tokens[i] for i in order_list]
-        for name in self.names:
-            value = getattr(self, name)
-            if value is None:
+        for name in self.TENSORS:
+            buffer = self._full[name]
+            if buffer is None:
                 continue
-            if hasattr(value, "compact"):
-                value.compact(holes, movers, n)
-            elif hasattr(value, "select") and not isinstance(value, torch.Tensor):
-                value.select(order)
-            elif name == "features":  # [B, capacity, H]: the one large per-row buffer besides the caches
-                setattr(self, name, compact_in_place(value, holes, movers, n, 1, self.features_used))
-            else:
-                setattr(self, name, value.index_select(0, order))
+            if name == "features":  # [B, capacity, H]: the one large per-row buffer besides the caches
+                compact_in_place(buffer, holes, movers, n, 1, self.features_used)
+            elif holes.numel():
+                buffer[holes] = buffer[movers]
+        self._full["live"][n:] = False
+        for row_state in (self.state, self.draft_state):
+            if row_state is not None:
+                row_state.compact(holes, movers, n)
+        for cache in (self.cache, self.draft_kv):
+            if cache is not None:
+                cache.compact(holes, movers, n)
+        self._size = n

@@ -45,7 +45,7 @@ class BlockProposer:
         features = rows.features.gather(1, slots[..., None].expand(-1, -1, rows.features.shape[-1]))
         positions = (slots - dstate.pad[:, None]).clamp(min=0)
         self.drafter.write_context(features, positions, rows.draft_kv, slots,
-                                   kv_len=min(rows.max_length + width, rows.capacity))
+                                   kv_len=rows.kv_bound(width))
         dstate.length = rows.state.length.clone()
         rows.max_behind = 0
         if start is not None:
@@ -57,7 +57,7 @@ class BlockProposer:
         length, pad = rows.state.length, rows.state.pad
         width = strategy.depth + 1
         slots = length[:, None] + torch.arange(width, device=length.device)
-        kv_len = min(rows.max_length + width, rows.capacity)  # the host's bound on slots.max() + 1
+        kv_len = rows.kv_bound(width)  # the host's bound on slots.max() + 1
         keys = torch.arange(kv_len, device=length.device)[None, None, :]
         # the row's committed context, and the whole block (no causal mask inside it)
         allowed = (keys >= pad[:, None, None]) & (keys < length[:, None, None] + width)

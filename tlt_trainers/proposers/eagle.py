@@ -62,12 +62,13 @@ class DrafterRunner:
         slots = (dstate.length[:, None] + torch.arange(width, device=pending.device)).clamp(max=rows.capacity - 2)
         hidden_in = rows.features.gather(1, slots[..., None].expand(-1, -1, rows.features.shape[-1]))
         tokens_in = rows.seq.gather(1, slots + 1)
-        feature = self.run(rows, hidden_in, tokens_in, slots, kv_len=min(rows.max_length + width, rows.capacity - 1))
+        feature = self.run(rows, hidden_in, tokens_in, slots, kv_len=rows.kv_bound(width))
         dstate.length = rows.state.length.clone()
         rows.max_behind = 0
         if start is not None:
             self.catch_up_seconds = self.clock() - start
-        return feature[torch.arange(pending.shape[0], device=pending.device), pending - 1]
+        # (a dead row of a padded graph step may be further behind: its prediction is garbage nobody reads)
+        return feature[torch.arange(pending.shape[0], device=pending.device), (pending - 1).clamp(0, width - 1)]
 
     def run(self, rows: ActiveRows, hidden, tokens, slots, positions=None, allowed=None,
             kv_len: int | None = None) -> torch.Tensor:
@@ -116,7 +117,7 @@ class EagleChainProposer:
             if j + 1 < strategy.depth:
                 slot = (rows.state.length + j)[:, None]
                 feature = runner.run(rows, feature[:, None], token[:, None], slot,
-                                     kv_len=min(rows.max_length + j + 1, rows.capacity))[:, 0]
+                                     kv_len=rows.kv_bound(j + 1))[:, 0]
         tokens = torch.stack(draft_tokens, dim=1)
         if not draft_probs:
             return Proposal.chain(tokens)
@@ -163,7 +164,7 @@ class EagleTreeProposer:
         for level in range(1, depth):
             slots = length[:, None] + (level - 1) * width + torch.arange(width, device=device)
             ancestry = torch.cat([ancestry, slots[..., None]], dim=2)
-            kv_len = min(rows.max_length + level * width, rows.capacity)  # the host's bound on slots.max() + 1
+            kv_len = rows.kv_bound(level * width)  # the host's bound on slots.max() + 1
             if committed is None:
                 keys = torch.arange(kv_len + (depth - 1) * width, device=device)
                 committed = (keys[None] >= pad[:, None]) & (keys[None] < length[:, None])

@@ -8,22 +8,25 @@ the selector's feedback wrap the step (:meth:`Rollout.step`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..modeling.features import capture_features
-from ..modeling.kv_cache import RowState, WritePlan
+from ..modeling.kv_cache import RowKV, RowState, WritePlan
 from ..modeling.rows import ActiveRows
 from ..proposers.block import BlockProposer
 from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
 from ..proposers.history import HistoryProposer, MergedProposer
 from ..proposers.strategy import NONE, Strategy
-from ..sampling.distribution import SamplingParams, process_logits
+from ..sampling.distribution import SamplingParams, UniformStream, process_logits
 from ..sampling.tree import DraftTree
 from ..sampling.verify import Proposal, Verdict, verify
+from .graphs import graph_bucket
 from .stats import GenerationStats, StepTimer
+from .step_graphs import StepGraphs
 
 
 @dataclass
@@ -39,6 +42,18 @@ class StepReport:
     emitted: int  # tokens appended over all rows
     counts: list[int]  # the step's statistics, in the order they were passed
     expected_gap: float | None = None  # sum of (first-draft acceptance probability - its 0/1 accept)
+
+
+@dataclass
+class StepTensors:
+    """A step's results on the device, for its one read (:meth:`Rollout._read_report`)."""
+
+    packed: torch.Tensor  # the counts and bounds the host reads (Rollout._pack_report)
+    emitted: torch.Tensor  # [B, w] tokens the step emitted per row
+    finished: torch.Tensor  # [B] rows that finished
+    num_counts: int = 0  # statistics in ``packed``
+    has_gap: bool = False  # ``packed`` ends with the first drafts' expected-minus-actual acceptance
+    num_nodes: int = 0  # draft nodes verified per row
 
 
 @dataclass
@@ -84,7 +99,12 @@ class Rollout:
         session = engine.graph_session(self, batch, self.capacity, self.feature_layers)
         if session is not None:  # graphs (and the cache they read) kept from earlier calls where shapes fit
             self.capacity, self.graphs = session.capacity, session.runner
-        self.rows = self._new_rows(input_ids, pad, params, session.cache if session is not None else None)
+        self._tracing = False  # inside a step traced into a graph (StepGraphs)
+        self.step_graphs = StepGraphs(session.mode) if session is not None else None
+        self._streams: dict[int, UniformStream] = {}
+        self._step_generator = None
+        reserved = session.max_batch if session is not None else batch
+        self.rows = self._new_rows(input_ids, pad, params, session.cache if session is not None else None, reserved)
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
         if self.history is not None:  # the history matches on the host: it keeps the rows' tokens there
             prompts, pads = input_ids.tolist(), pad.tolist()
@@ -97,7 +117,7 @@ class Rollout:
         self._progress = None
 
     def _new_rows(self, input_ids: torch.Tensor, pad: torch.Tensor, params: SamplingParams,
-                  cache=None) -> ActiveRows:
+                  cache=None, reserved: int = 0) -> ActiveRows:
         batch = input_ids.shape[0]
         seq = torch.full((batch, self.capacity), self.pad_token_id, dtype=torch.long, device=self.device)
         seq[:, : self.prompt_len] = input_ids
@@ -106,7 +126,11 @@ class Rollout:
             presence = torch.zeros(batch, self.target.vocab_size, dtype=torch.bool, device=self.device)
             presence.scatter_(1, input_ids, True)
         drafter = self.engine.drafter if self.use_drafter else None
+        draft_kv = drafter.new_kv(self.capacity) if drafter is not None else None
+        if isinstance(draft_kv, RowKV):
+            draft_kv.reserve_rows = reserved  # padded graph steps write the drafter's keys of dead rows too
         return ActiveRows(
+            reserved=reserved,
             index=torch.arange(batch, device=self.device),
             seq=seq,
             state=RowState(pad.clone(), torch.zeros_like(pad)),
@@ -115,7 +139,7 @@ class Rollout:
             presence=presence,
             features=None,
             cache=cache if cache is not None else self.target.new_cache(self.capacity),
-            draft_kv=drafter.new_kv(self.capacity) if drafter is not None else None,
+            draft_kv=draft_kv,
         )
 
     def _new_proposers(self, params: SamplingParams, history_keys) -> tuple[
@@ -145,11 +169,106 @@ class Rollout:
 
     # ------------------------------------------------------------------ one step
     def speculative_step(self, strategy: Strategy) -> StepOutcome:
-        """Propose, verify in one policy pass, accept, commit, retire (``strategy`` none: one plain token)."""
+        """Propose, verify in one policy pass, accept, commit (all on the device, replayed from one CUDA graph where
+        the step allows it), then the step's one read and the retirement of finished rows."""
+        batch = self.rows.size
+        tensors = self._graph_step(strategy) if self.step_graphs is not None else None
+        if tensors is None:
+            tensors = self._step_tensors(strategy)
+        report = self._read_report(tensors)
+        emitted, accepted_total, first_accepted = report.emitted, report.counts[0], report.counts[1]
+        outcome = StepOutcome(emitted, batch * tensors.num_nodes, accepted_total,
+                              first_accepted if tensors.num_nodes else 0)
+        if report.expected_gap is not None:
+            outcome.expected_emitted = emitted + report.expected_gap
+        return outcome
+
+    def _graph_step(self, strategy: Strategy) -> StepTensors | None:
+        """The step replayed from a graph of its (batch bucket, strategy), or None where it cannot be (see
+        :mod:`.step_graphs`): then it runs eagerly."""
+        rows, graphs = self.rows, self.step_graphs
+        if graphs.disabled is not None or rows.presence is not None:
+            return None
+        if strategy.kind == "chain" and isinstance(self.drafting, DrafterRunner):
+            width = strategy.depth + 1  # the drafter's catch-up: every row's accepted path and bonus token
+            if rows.max_behind > width:
+                return None  # after plain steps: a one-off wider catch-up, eagerly
+        elif strategy.kind == "none":
+            width = 0
+        else:
+            return None
+        bucket = graph_bucket(rows.size)
+        if bucket > rows.reserved:
+            return None
+        view = rows.padded(bucket)
+        view.static_shapes = True
+        stream = self._uniform_stream(bucket)
+        sampling = self.drafting.sampling if isinstance(self.drafting, DrafterRunner) else None
+
+        def body() -> StepTensors:
+            saved = self.rows, self.generator
+            view.max_behind = width  # what the traced catch-up spans (a run sets it to 0: the body may run twice)
+            self.rows, self.generator, self._tracing = view, stream, True
+            if sampling is not None:
+                sampling.generator = stream
+            try:
+                return self._step_tensors(strategy)
+            finally:
+                self.rows, self.generator, self._tracing = saved[0], saved[1], False
+                if sampling is not None:
+                    sampling.generator = saved[1]
+
+        result = graphs.run((bucket, strategy.name, width), body, self._snapshot,
+                            lambda t: [t.packed, t.emitted, t.finished],
+                            lambda reset_only=False: stream.refill(self._uniform_generator(), reset_only))
+        rows.features_used = rows.capacity  # traced steps do not track it on the host
+        return result
+
+    def _uniform_stream(self, bucket: int) -> UniformStream:
+        """The static buffer of a graph step's uniforms at this bucket: enough for the deepest chain (its draws,
+        acceptance tests and the residual draw)."""
+        if bucket not in self._streams:
+            depth = max((s.depth for s in self.engine.strategies if s.kind == "chain"), default=0)
+            self._streams[bucket] = UniformStream(bucket, 2 * depth + 2, self.device)
+        return self._streams[bucket]
+
+    def _uniform_generator(self) -> torch.Generator | None:
+        """Where a graph step's uniforms come from: the caller's generator when it lives on the rows' device (or
+        None: the device's default), else one on the device seeded once from it (one launch fills a step's
+        buffer; a host generator would need a copy per step)."""
+        generator = self.generator
+        if generator is None or generator.device == self.device:
+            return generator
+        if self._step_generator is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            self._step_generator = torch.Generator(device=self.device).manual_seed(seed)
+        return self._step_generator
+
+    def _snapshot(self) -> Callable[[], None]:
+        """Save what a step changes in place besides cache slots it rewrites identically (tokens, counts,
+        lengths); returns the function that puts it back (a graph's capture check runs the step twice)."""
+        rows = self.rows
+        buffers = [rows._full["seq"], rows._full["generated"], rows.state._length]
+        if rows.draft_state is not None:
+            buffers.append(rows.draft_state._length)
+        saved = [(buffer, buffer.clone()) for buffer in buffers]
+
+        def restore() -> None:
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+
+        return restore
+
+    def _phase(self, name: str):
+        """The timer's phase, or nothing inside a step traced into a graph (the step is timed as a whole)."""
+        return contextlib.nullcontext() if self._tracing else self.timer.phase(name)
+
+    def _step_tensors(self, strategy: Strategy) -> StepTensors:
+        """One step on the device, reading nothing back: what :meth:`_read_report` reads."""
         rows, batch = self.rows, self.rows.size
-        with self.timer.phase("draft"):
+        with self._phase("draft"):
             proposal = self.proposer_for(strategy).propose(rows, strategy) if strategy.proposer else None
-        with self.timer.phase("decode" if proposal is None else "verify"):
+        with self._phase("decode" if proposal is None else "verify"):
             proposal = proposal or Proposal.nothing(batch, self.device)
             tree, length = proposal.tree, rows.state.length
             # The policy scores the pending token (the tree's root) and every draft node in one pass.
@@ -159,7 +278,7 @@ class Rollout:
             positions = (length - rows.state.pad)[:, None] + depths
             closure = None if proposal.is_chain and rows.presence is None else tree.ancestors()
             # slots.max() + 1 bounded on the host (rows that finished this step may still count in max_length)
-            kv_len = min(rows.max_length + tree.num_nodes + 1, self.capacity)
+            kv_len = rows.kv_bound(tree.num_nodes + 1)
             features, logits = self._policy_pass(tokens, positions, slots, kv_len,
                                                  self._mask_builder(proposal.is_chain, closure, positions, slots))
             scores = process_logits(logits, self.params, self._presence_in_tree(tree, closure), self.warpers)
@@ -168,17 +287,13 @@ class Rollout:
             emitted = verdict.emitted(tree)
             count, finished = self._commit(emitted, verdict.num_accepted, length + 1,
                                            advance=verdict.num_accepted + 1)
-            accepted = verdict.num_accepted
+            accepted = torch.where(rows.live, verdict.num_accepted, 0)
             counts = [accepted.sum(), (accepted > 0).sum()]
             expected_gap = None
             if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
-                expected_gap = (verdict.first_acceptance - (accepted > 0).to(verdict.first_acceptance.dtype)).sum()
-            report = self._settle(emitted, count, finished, counts, expected_gap)
-        emitted, accepted_total, first_accepted = report.emitted, report.counts[0], report.counts[1]
-        outcome = StepOutcome(emitted, batch * tree.num_nodes, accepted_total, first_accepted if tree.num_nodes else 0)
-        if report.expected_gap is not None:
-            outcome.expected_emitted = emitted + report.expected_gap
-        return outcome
+                gap = verdict.first_acceptance - (accepted > 0).to(verdict.first_acceptance.dtype)
+                expected_gap = torch.where(rows.live, gap, 0).sum()
+            return self._pack_report(emitted, count, finished, counts, expected_gap, tree.num_nodes)
 
     def _mask_builder(self, is_chain: bool, closure, positions, slots) -> Callable[[int], torch.Tensor]:
         """``kv_len -> mask`` of the verify pass: causal for a chain, each node's ancestors for a tree."""
@@ -226,7 +341,7 @@ class Rollout:
         graph outputs the drafter's features too (EAGLE-3's tapped layers included).
         """
         runner = self.graphs
-        if runner is not None and runner.supports(tokens.shape[0]):
+        if runner is not None and not self._tracing and runner.supports(tokens.shape[0]):
             mask = mask_for(self.capacity)
             masks = {"full": mask} if isinstance(mask, torch.Tensor) else {
                 "full": mask["full_attention"], "sliding": mask["sliding_attention"]}
@@ -250,7 +365,7 @@ class Rollout:
             return
         rows = self.rows
         if rows.features is None:
-            rows.features = hidden.new_zeros(hidden.shape[0], self.capacity, hidden.shape[-1])
+            rows.features = hidden.new_zeros(rows.reserved, self.capacity, hidden.shape[-1])
         rows.features.scatter_(1, slots[..., None].expand(-1, -1, hidden.shape[-1]), hidden)
         # slots run from a row's length over at most slots.shape[1] places: a bound that needs no read
         rows.features_used = min(max(rows.features_used, rows.max_length + slots.shape[1]), rows.capacity)
@@ -271,21 +386,22 @@ class Rollout:
             positions = (slots - rows.state.pad[:, None]).clamp(min=0)
             hidden, features = self._target_pass(self.input_ids, positions, slots, self.prompt_len,
                                                  lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
-            rows.state.length = torch.full_like(rows.state.length, self.prompt_len)
+            rows.state.length.fill_(self.prompt_len)
             self._store_features(features, slots)
             scores = process_logits(self.target.logits(hidden[:, -1]), self.params, rows.presence, self.warpers)
             first = verify(Proposal.nothing(rows.size, self.device), scores[:, None], self.params.do_sample,
                            self.generator).next_token
             count, finished = self._commit(first[:, None], torch.zeros_like(first), rows.state.length,
                                            advance=torch.zeros_like(first))
-            self._settle(first[:, None], count, finished)
+            self._read_report(self._pack_report(first[:, None], count, finished))
 
     # ------------------------------------------------------------------ commit
     def _commit(self, emitted: torch.Tensor, num_accepted: torch.Tensor, first_slot: torch.Tensor,
                 advance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``num_accepted + 1`` tokens of ``emitted`` [B, w] per row from ``first_slot``, cut at EOS and
-        ``max_new_tokens``; the policy's cache keeps ``advance`` more slots. Returns (tokens appended [B], finished
-        [B]) on the device: :meth:`_settle` reads them, with the step's other counts, in one transfer.
+        ``max_new_tokens``; the policy's cache keeps ``advance`` more slots. Dead rows (past the live ones, in a
+        padded graph step) keep nothing. Returns (tokens appended [B], finished [B]) on the device: the step's one
+        read (:meth:`_read_report`) takes them with its other counts.
         """
         rows = self.rows
         width = emitted.shape[1]
@@ -298,10 +414,11 @@ class Rollout:
         else:
             has_eos = torch.zeros_like(count, dtype=torch.bool)
         remaining = self.max_new - rows.generated
-        count = torch.minimum(count, remaining)
+        count = torch.where(rows.live, torch.minimum(count, remaining), 0)
+        advance = torch.where(rows.live, advance, 0)
         hit_eos = has_eos
         if self.eos is not None:  # the row ends on EOS only if the cut by max_new_tokens kept it
-            hit_eos = torch.isin(emitted.gather(1, (count - 1)[:, None]).squeeze(1), self.eos)
+            hit_eos = torch.isin(emitted.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1), self.eos)
         keep_token = offsets[None] < count[:, None]
         dest = first_slot[:, None] + offsets[None]
         old = rows.seq.gather(1, dest)
@@ -309,44 +426,53 @@ class Rollout:
         if rows.presence is not None:
             marks = torch.where(keep_token, emitted, emitted[:, :1])
             rows.presence.scatter_(1, marks, True)
-        rows.generated += count
-        rows.state.length = rows.state.length + advance
-        finished = hit_eos | (rows.generated >= self.max_new)
+        rows.generated.add_(count)
+        rows.state.length.add_(advance)
+        finished = (hit_eos | (rows.generated >= self.max_new)) & rows.live
         return count, finished
 
-    def _settle(self, emitted: torch.Tensor, count: torch.Tensor, finished: torch.Tensor,
-                counts: list[torch.Tensor] = (), expected_gap: torch.Tensor | None = None) -> StepReport:
-        """The step's one device-to-host read: tokens appended, finished rows, the host's bounds for the next step
-        (:class:`~tlt_trainers.modeling.rows.ActiveRows`), ``counts`` (the step's statistics) and, where the host
-        keeps the rows' tokens (rollout history), the ``emitted`` [B, w] tokens and their ``count`` [B], as one
-        tensor. Then finished rows retire (one more read, on the steps where rows finish)."""
+    def _pack_report(self, emitted: torch.Tensor, count: torch.Tensor, finished: torch.Tensor,
+                     counts: list[torch.Tensor] = (), expected_gap: torch.Tensor | None = None,
+                     num_nodes: int = 0) -> StepTensors:
+        """What the host needs of a step, as one tensor: tokens appended, finished rows, the host's bounds for the
+        next step (:class:`~tlt_trainers.modeling.rows.ActiveRows`, over live rows), ``counts`` (the step's
+        statistics) and, where the host keeps the rows' tokens (rollout history), the ``emitted`` [B, w] tokens
+        and their ``count`` [B]."""
         rows = self.rows
-        values = [count.sum(), finished.sum(), rows.state.length.max(), rows.generated.min()]
+        live = rows.live
+        values = [count.sum(), finished.sum(), torch.where(live, rows.state.length, 0).max(),
+                  torch.where(live, rows.generated, self.max_new).min()]
         if rows.draft_state is not None:
-            values.append((rows.state.length - rows.draft_state.length).max())
+            values.append(torch.where(live, rows.state.length - rows.draft_state.length, 0).max())
         values += list(counts)
         packed = torch.stack(values)
-        tokens = rows.host_tokens is not None
-        if tokens:
+        if rows.host_tokens is not None:
             packed = torch.cat([packed, count, emitted.reshape(-1)])
         if expected_gap is not None:
             packed = torch.cat([packed.to(torch.float64), expected_gap.to(torch.float64)[None]])
-        host = packed.tolist()
+        return StepTensors(packed, emitted, finished, len(counts), expected_gap is not None, num_nodes)
+
+    def _read_report(self, step: StepTensors) -> StepReport:
+        """The step's one device-to-host read (:meth:`_pack_report`), the host's bookkeeping from it, then the
+        retirement of finished rows (one more read, on the steps where rows finish)."""
+        rows = self.rows
+        host = step.packed.tolist()
         total, num_finished, rows.max_length, rows.min_generated = (int(v) for v in host[:4])
         rest = host[4:]
         if rows.draft_state is not None:
             rows.max_behind, rest = int(rest[0]), rest[1:]
-        report = StepReport(total, [int(v) for v in rest[: len(counts)]],
-                            None if expected_gap is None else float(rest[-1]))
-        if tokens:
-            batch, width = emitted.shape
-            appended = [int(v) for v in rest[len(counts) : len(counts) + batch]]
-            flat = rest[len(counts) + batch : len(counts) + batch + batch * width]
-            for i, n in enumerate(appended):
+        report = StepReport(total, [int(v) for v in rest[: step.num_counts]],
+                            float(rest[-1]) if step.has_gap else None)
+        if rows.host_tokens is not None:
+            batch, width = step.emitted.shape  # a padded step's batch: live rows come first
+            appended = rest[step.num_counts : step.num_counts + batch]
+            flat = rest[step.num_counts + batch : step.num_counts + batch + batch * width]
+            for i in range(rows.size):
+                n = int(appended[i])
                 rows.host_tokens[i] = rows.host_tokens[i] + [int(v) for v in flat[i * width : i * width + n]]
         self.stats.generated_tokens += total
         if num_finished:
-            self._retire(finished)
+            self._retire(step.finished[: rows.size])
         return report
 
     def _retire(self, finished: torch.Tensor) -> None:

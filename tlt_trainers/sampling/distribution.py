@@ -237,6 +237,45 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
-def uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+class UniformStream:
+    """A step's uniforms drawn in one go (``refill``), handed out column by column to the sampling functions that
+    would draw them one call at a time: what a CUDA graph of a whole step reads, so that the graph owns no random
+    generator (one launch fills the buffer before each replay). Every uniform is used once: the same law as
+    drawing each from the generator."""
+
+    def __init__(self, rows: int, columns: int, device: torch.device | str):
+        self.buffer = torch.zeros(rows, columns, device=device)
+        self.cursor = 0
+
+    def refill(self, generator: torch.Generator | None, reset_only: bool = False) -> None:
+        """New uniforms for the next step, from ``generator`` (on its own device); with ``reset_only`` the same
+        ones again (a step run twice: a graph's capture check)."""
+        self.cursor = 0
+        if reset_only:
+            return
+        gen_device = generator.device if generator is not None else self.buffer.device
+        if gen_device == self.buffer.device:
+            torch.rand(self.buffer.shape, generator=generator, device=gen_device, out=self.buffer)
+        else:
+            self.buffer.copy_(torch.rand(self.buffer.shape, generator=generator, device=gen_device),
+                              non_blocking=True)
+        self.cursor = 0
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Uniforms of ``shape`` ([B] or [B, k], B the buffer's rows): the next unused columns."""
+        if shape[0] != self.buffer.shape[0] or len(shape) > 2:
+            raise ValueError(f"UniformStream of {tuple(self.buffer.shape)} cannot give uniforms of shape {shape}.")
+        width = shape[1] if len(shape) == 2 else 1
+        if self.cursor + width > self.buffer.shape[1]:
+            raise RuntimeError(f"UniformStream: a step asked for more than its {self.buffer.shape[1]} uniforms a row.")
+        out = self.buffer[:, self.cursor : self.cursor + width]
+        self.cursor += width
+        return out if len(shape) == 2 else out[:, 0]
+
+
+def uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | UniformStream | None
+            ) -> torch.Tensor:
+    if isinstance(generator, UniformStream):
+        return generator.take(shape)
     gen_device = generator.device if generator is not None else device
     return torch.rand(shape, generator=generator, device=gen_device).to(device)

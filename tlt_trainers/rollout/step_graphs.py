@@ -1,0 +1,127 @@
+"""Whole speculative steps replayed from CUDA graphs.
+
+On a GPU a speculative step is dozens of small kernels: the drafter's passes, sampling, acceptance, the commit of
+accepted tokens. Launched one by one from Python they cost more than the policy's verify pass they wrap, so a
+step of ``chain:4`` ends up several times a plain one. Here the whole step (drafter catch-up and chain, the
+policy's verify pass, sampling and acceptance, commit, and the packing of what the host reads) is one graph per
+(batch bucket, strategy), replayed on the rows' own buffers, which never move (``ActiveRows``: compaction is in
+place, and a bucket's graph runs over the first ``bucket`` rows, the dead ones frozen by the ``live`` mask).
+
+What the host contributes to a replay: the step's uniforms, drawn in one launch into a static buffer
+(``UniformStream``) so that no graph owns a generator; and, after it, the step's one read.
+
+A step is traced only in a steady state: an EAGLE chain whose drafter is at most ``depth + 1`` slots behind (the
+catch-up width is part of the graph), or a plain step; no repetition penalty (its presence masks per tree node are
+built with ``nonzero``). Other steps (trees, blocks, history, the catch-up after plain steps) run eagerly, with the
+policy's pass still replayed by :class:`~.graphs.GraphRunner`.
+
+Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
+graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes
+the step eager again (the state put back once more) and switches step graphs off for this rollout, with one
+warning. ``mode="static"`` traces the same body without capturing, on any device: the CPU tests count its ops
+(``step_probe``) and check its output against ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .step_probe import graph_region
+
+logger = logging.getLogger(__name__)
+
+
+class StepGraphs:
+    """Traced steps of one rollout, keyed by (bucket, strategy name, catch-up width)."""
+
+    def __init__(self, mode: str):
+        if mode not in ("cuda", "static"):
+            raise ValueError(f"StepGraphs mode must be 'cuda' or 'static', got {mode!r}.")
+        self.mode = mode
+        self.entries: dict[tuple, tuple] = {}
+        self.pool = None
+        self.captures = 0  # CUDA graphs captured
+        self.shapes_prepared = 0  # keys set up: a capture with "cuda", its first trace with "static"
+        self.replays = 0
+        self.disabled: str | None = None
+
+    def run(self, key: tuple, body: Callable[[], object], snapshot: Callable[[], Callable[[], None]],
+            outputs_of: Callable[[object], list[torch.Tensor]], before_each: Callable[[], None]):
+        """``body()`` traced for ``key``: run inside a graph region ("static"), or captured once and replayed
+        ("cuda"). ``before_each()`` prepares a run (fresh uniforms); ``snapshot()`` saves the rows' mutable state
+        and returns a function that restores it (for the capture's check); ``outputs_of(result)`` are the tensors
+        the check compares."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.shapes_prepared += 1
+        if self.mode == "static":
+            self.entries[key] = (None, None)
+            before_each()
+            with graph_region():
+                result = body()
+            self.replays += 1
+            return result
+        if entry is None:
+            return self._capture_checked(key, body, snapshot, outputs_of, before_each)
+        graph, result = entry
+        before_each()
+        graph.replay()
+        self.replays += 1
+        return result
+
+    def _capture_checked(self, key, body, snapshot, outputs_of, before_each):
+        """Warm up (the step, eagerly), put the state back, capture, replay once and compare (see the module
+        docstring). Returns this step's results: the graph's, or an eager run's where the check failed."""
+        restore = snapshot()
+        reason = None
+        try:
+            before_each()
+            expected = [t.clone() for t in outputs_of(self._warm_up(body))]
+            restore()
+            before_each(reset_only=True)
+            graph, result = self._record(body)
+            restore()  # a capture runs nothing; put back whatever a capture that did (a fake one, in tests) changed
+            before_each(reset_only=True)
+            graph.replay()
+            got = outputs_of(result)
+            if any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
+                reason = "its first replay emitted other tokens or counts than the eager step"
+        except Exception as exc:  # noqa: BLE001 - any failure to capture or replay means: stay eager
+            reason = f"{type(exc).__name__} while capturing or replaying: {exc}"
+        if reason is None:
+            self.entries[key] = (graph, result)
+            self.captures += 1
+            self.replays += 1
+            return result
+        self.disabled = reason
+        self.entries.clear()
+        logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, strategy, catch-up width %s) failed "
+                       "its self-check: %s. Steps run eagerly for the rest of this call (the same tokens; more "
+                       "launches per step). Please report it with your GPU, torch and transformers versions.", key,
+                       reason)
+        restore()
+        before_each(reset_only=True)
+        return body()
+
+    @staticmethod
+    def _warm_up(body):
+        """The step run eagerly on a side stream, as a capture requires (plainly where there is no CUDA)."""
+        if not torch.cuda.is_available():
+            return body()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            result = body()
+        torch.cuda.current_stream().wait_stream(stream)
+        return result
+
+    def _record(self, body):
+        """Capture the step into a CUDA graph: (graph, its static results)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            result = body()
+        self.pool = graph.pool()
+        return graph, result
