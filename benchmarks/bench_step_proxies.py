@@ -38,7 +38,11 @@ def probe_call(engine: SpeculativeGenerator, ids, mask, tok, new_tokens: int, do
                            temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id, generator=gen)
     steps = []
-    prepared_before = rollout.graphs.shapes_prepared if rollout.graphs is not None else 0
+    def prepared() -> int:
+        return sum(r.shapes_prepared for r in (rollout.graphs, getattr(rollout, "step_graphs", None))
+                   if r is not None)
+
+    prepared_before = prepared()
     with StepProbe() as probe:
         rollout.begin()
         probe.take()
@@ -48,8 +52,7 @@ def probe_call(engine: SpeculativeGenerator, ids, mask, tok, new_tokens: int, do
             if not more:
                 break
     rollout.finish()
-    runner = rollout.graphs
-    return {"steps": steps, "captures": runner.shapes_prepared - prepared_before if runner is not None else 0,
+    return {"steps": steps, "captures": prepared() - prepared_before,
             "acceptance": rollout.stats.acceptance_length}
 
 

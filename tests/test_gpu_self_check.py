@@ -53,16 +53,24 @@ def triton_kernels():
     return verify_triton
 
 
+# Where Triton runs the kernels: the GPU, or the CPU under the interpreter (how the suite runs without a GPU). The
+# engines of these tests run there too: a kernel is chosen by the tensors' device.
+KERNEL_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
+
 @pytest.fixture(scope="module")
 def sampled_setup():
     model = tiny_model("llama", logit_scale=4.0)
-    return model, train_drafter(model, steps=60)
+    drafter = train_drafter(model, steps=60)
+    return model.to(KERNEL_DEVICE), drafter.to(KERNEL_DEVICE)
 
 
 def sample(setup, strategy, rounds=1):
     model, drafter = setup
-    ids, mask = padded_prompts([3, 6, 4, 5], seed=2)
-    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy))
+    ids, mask = (t.to(KERNEL_DEVICE) for t in padded_prompts([3, 6, 4, 5], seed=2))
+    # Eager steps: every verification calls the kernel from Python (a graph replay would not), which these count
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy,
+                                                            cuda_graphs="off"))
     results = [engine.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9,
                                eos_token_id=EOS, pad_token_id=PAD, generator=torch.Generator().manual_seed(5 + r))
                for r in range(rounds)]
@@ -173,7 +181,7 @@ def test_the_chain_check_covers_draft_vocabularies_and_every_branch():
     from tlt_trainers.sampling.distribution import inverse_cdf
 
     verify_triton = triton_kernels()
-    cpu = torch.device("cpu")
+    cpu = KERNEL_DEVICE  # the device the check runs on
     for shape in [(3, 40, 13, True, torch.long), (1, 1500, 1500, False, torch.long), (5, 2100, 300, True, torch.long)]:
         kernels = types.SimpleNamespace(verify_chain_triton=verify_triton.verify_chain_triton)
         assert verify_module.kernel_self_check(kernels, verify_module.CHAIN, cpu, shape) is not None

@@ -7,6 +7,7 @@ kernel's block sums differ from ``cumsum`` only within rounding, see ``tlt_train
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -22,7 +23,28 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
                 "(tests/conftest.py "
                 "sets it)", allow_module_level=True)
 
-from tlt_trainers.kernels import verify_chain_triton, verify_tree_triton  # noqa: E402
+from tlt_trainers.kernels import verify_chain_triton as _chain_kernel  # noqa: E402
+from tlt_trainers.kernels import verify_tree_triton as _tree_kernel  # noqa: E402
+
+# Where Triton runs the kernels: the GPU, or the CPU under the interpreter (how the suite runs without a GPU)
+KERNEL_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
+
+def on_kernel_device(launcher):
+    """``launcher`` fed its tensors on the kernels' device; its results come back to the CPU, where the torch path's
+    are compared with them."""
+
+    def run(*args):
+        out = launcher(*(a.to(KERNEL_DEVICE) if torch.is_tensor(a) else a for a in args))
+        if dataclasses.is_dataclass(out):
+            return dataclasses.replace(out, **{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(out)
+                                               if torch.is_tensor(getattr(out, f.name))})
+        return tuple(t.cpu() for t in out)
+
+    return run
+
+
+verify_chain_triton, verify_tree_triton = on_kernel_device(_chain_kernel), on_kernel_device(_tree_kernel)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -107,10 +129,12 @@ def test_engine_with_the_fused_kernels_samples_what_the_torch_path_samples(monke
 
     model = tiny_model("llama", logit_scale=4.0)
     drafter = train_drafter(model, steps=60)
-    ids, mask = padded_prompts([3, 6, 4, 5], seed=2)
+    model, drafter = model.to(KERNEL_DEVICE), drafter.to(KERNEL_DEVICE)  # the engine's tensors where Triton runs
+    ids, mask = (t.to(KERNEL_DEVICE) for t in padded_prompts([3, 6, 4, 5], seed=2))
 
     def sample():
-        engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy))
+        engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy,
+                                                                cuda_graphs="off"))  # kernels called every step
         return engine.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9,
                                eos_token_id=EOS, pad_token_id=PAD, generator=torch.Generator().manual_seed(5))
 
@@ -137,11 +161,11 @@ def test_liger_loss_on_hard_labels_equals_the_torch_loss(monkeypatch):
     from tlt_trainers import DrafterTrainer, Eagle3Drafter, SpeculativeGenerator, TLTConfig
     from tlt_trainers.drafter import losses
 
-    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=6)
+    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=6).to(KERNEL_DEVICE)  # liger runs there
     torch.manual_seed(2)
     drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[1, 3, 5])
     trainer = DrafterTrainer(drafter, model, unroll_steps=2, precision="float32")
-    ids, mask = padded_prompts([5, 3, 7, 4], seed=3)
+    ids, mask = (t.to(KERNEL_DEVICE) for t in padded_prompts([5, 3, 7, 4], seed=3))
     engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="never"))
     engine.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, eos_token_id=EOS, pad_token_id=PAD,
                     generator=torch.Generator().manual_seed(0), feature_sink=trainer.add_features)

@@ -95,15 +95,16 @@ def test_graphs_persist_across_calls_and_stay_exact(model):
         rollout = engine.start(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=EOS,
                                pad_token_id=PAD)
         runner = rollout.graphs
-        prepared = runner.shapes_prepared
+        prepared = runner.shapes_prepared + rollout.step_graphs.shapes_prepared
         rollout.begin()
         while rollout.step():
             pass
         result = rollout.finish()
+        assert rollout.step_graphs.replays > 0
         reference = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=EOS,
                                    pad_token_id=PAD)
         assert torch.equal(result.sequences, reference)
-        return runner, runner.shapes_prepared - prepared
+        return runner, runner.shapes_prepared + rollout.step_graphs.shapes_prepared - prepared
 
     first, prepared = call([3, 7, 5, 2], seed=4)
     assert prepared > 0

@@ -107,6 +107,29 @@ class ActiveRows:
             vars(view)[name] = None if row_state is None else row_state.view(bucket)
         return view
 
+    def share_buffers(self, kept: dict[str, torch.Tensor]) -> None:
+        """Move this batch into ``kept``, buffers an earlier batch used (the ones graphs captured then address),
+        where shapes and dtypes agree; store this batch's own buffers there otherwise."""
+        own = {name: self._full[name] for name in self.TENSORS if name != "presence"}
+        for prefix, row_state in (("state", self.state), ("draft_state", self.draft_state)):
+            if row_state is not None:
+                own[f"{prefix}.pad"], own[f"{prefix}.length"] = row_state._pad, row_state._length
+        for name, buffer in own.items():
+            if buffer is None:
+                continue
+            previous = kept.get(name)
+            if previous is not None and previous.shape == buffer.shape and previous.dtype == buffer.dtype:
+                previous.copy_(buffer)
+                buffer = previous
+            kept[name] = buffer
+            prefix, _, field = name.partition(".")
+            if field:
+                setattr(getattr(self, prefix), f"_{field}", buffer)
+            else:
+                self._full[name] = buffer
+        if self._full["features"] is None and "features" in kept:  # written before it is read, as a new one
+            self._full["features"] = kept["features"]
+
     def compact(self, finished: list[bool]) -> None:
         """Drop the rows flagged in ``finished`` (one host-side flag per live row), in place."""
         order_list, holes, movers = compaction_plan(finished)

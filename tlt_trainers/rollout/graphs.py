@@ -266,6 +266,15 @@ class GraphSession:
         self.runner = GraphRunner(target, self.cache, self.max_batch, capacity, mode=mode,
                                   feature_layers=feature_layers)
         self.holder = None  # a weak reference to the rollout using it
+        # Whole-step graphs and what they address besides the cache: the rows' buffers, the drafter's cache, the
+        # uniforms' buffers per bucket and the EOS ids (tlt_trainers.rollout.step_graphs)
+        from .step_graphs import StepGraphs
+
+        self.step_graphs = StepGraphs(mode)
+        self.row_buffers: dict[str, torch.Tensor] = {}
+        self.draft_kv = None
+        self.streams: dict[int, object] = {}
+        self.eos: dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def capacity_for(needed: int) -> int:
@@ -273,7 +282,8 @@ class GraphSession:
 
     def fits(self, batch: int, capacity: int, mode: str, feature_layers, params_key: tuple) -> bool:
         # Not a session twice the size needed: full-capacity attention would cost more than a capture saves
-        return (self.runner.disabled is None and graph_bucket(batch) <= self.max_batch
+        return (self.runner.disabled is None and self.step_graphs.disabled is None
+                and graph_bucket(batch) <= self.max_batch
                 and capacity <= self.capacity <= 2 * self.capacity_for(capacity) and mode == self.mode
                 and feature_layers == self.feature_layers and params_key == self.params_key)
 

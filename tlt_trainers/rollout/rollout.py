@@ -26,7 +26,6 @@ from ..sampling.tree import DraftTree
 from ..sampling.verify import Proposal, Verdict, verify
 from .graphs import graph_bucket
 from .stats import GenerationStats, StepTimer
-from .step_graphs import StepGraphs
 
 
 @dataclass
@@ -100,11 +99,15 @@ class Rollout:
         if session is not None:  # graphs (and the cache they read) kept from earlier calls where shapes fit
             self.capacity, self.graphs = session.capacity, session.runner
         self._tracing = False  # inside a step traced into a graph (StepGraphs)
-        self.step_graphs = StepGraphs(session.mode) if session is not None else None
-        self._streams: dict[int, UniformStream] = {}
+        self.session = session
+        self.step_graphs = session.step_graphs if session is not None else None
         self._step_generator = None
         reserved = session.max_batch if session is not None else batch
         self.rows = self._new_rows(input_ids, pad, params, session.cache if session is not None else None, reserved)
+        if session is not None:  # the buffers earlier calls' step graphs address
+            self.rows.share_buffers(session.row_buffers)
+            if self.eos is not None:
+                self.eos = session.eos.setdefault(tuple(self.eos.tolist()), self.eos)
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
         if self.history is not None:  # the history matches on the host: it keeps the rows' tokens there
             prompts, pads = input_ids.tolist(), pad.tolist()
@@ -129,6 +132,12 @@ class Rollout:
         draft_kv = drafter.new_kv(self.capacity) if drafter is not None else None
         if isinstance(draft_kv, RowKV):
             draft_kv.reserve_rows = reserved  # padded graph steps write the drafter's keys of dead rows too
+            if self.session is not None:  # kept for the step graphs of later calls
+                kept = self.session.draft_kv
+                if isinstance(kept, RowKV) and kept.capacity == draft_kv.capacity:
+                    kept.reset(batch)
+                    draft_kv = kept
+                self.session.draft_kv = draft_kv
         return ActiveRows(
             reserved=reserved,
             index=torch.arange(batch, device=self.device),
@@ -218,7 +227,10 @@ class Rollout:
                 if sampling is not None:
                     sampling.generator = saved[1]
 
-        result = graphs.run((bucket, strategy.name, width), body, self._snapshot,
+        # Everything the traced step bakes in besides addresses: its shapes and the call's settings
+        key = (bucket, strategy.name, width, self.params, self.max_new, self.feature_sink is not None,
+               rows.host_tokens is not None, None if self.eos is None else self.eos.data_ptr())
+        result = graphs.run(key, body, self._snapshot,
                             lambda t: [t.packed, t.emitted, t.finished],
                             lambda reset_only=False: stream.refill(self._uniform_generator(), reset_only))
         rows.features_used = rows.capacity  # traced steps do not track it on the host
@@ -227,10 +239,11 @@ class Rollout:
     def _uniform_stream(self, bucket: int) -> UniformStream:
         """The static buffer of a graph step's uniforms at this bucket: enough for the deepest chain (its draws,
         acceptance tests and the residual draw)."""
-        if bucket not in self._streams:
+        streams = self.session.streams
+        if bucket not in streams:
             depth = max((s.depth for s in self.engine.strategies if s.kind == "chain"), default=0)
-            self._streams[bucket] = UniformStream(bucket, 2 * depth + 2, self.device)
-        return self._streams[bucket]
+            streams[bucket] = UniformStream(bucket, 2 * depth + 2, self.device)
+        return streams[bucket]
 
     def _uniform_generator(self) -> torch.Generator | None:
         """Where a graph step's uniforms come from: the caller's generator when it lives on the rows' device (or
@@ -366,6 +379,8 @@ class Rollout:
         rows = self.rows
         if rows.features is None:
             rows.features = hidden.new_zeros(rows.reserved, self.capacity, hidden.shape[-1])
+            if self.session is not None:
+                self.session.row_buffers["features"] = rows._full["features"]
         rows.features.scatter_(1, slots[..., None].expand(-1, -1, hidden.shape[-1]), hidden)
         # slots run from a row's length over at most slots.shape[1] places: a bound that needs no read
         rows.features_used = min(max(rows.features_used, rows.max_length + slots.shape[1]), rows.capacity)

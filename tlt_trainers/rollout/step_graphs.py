@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepGraphs:
-    """Traced steps of one rollout, keyed by (bucket, strategy name, catch-up width)."""
+    """Traced steps, kept with the engine's graph session across calls, keyed by (bucket, strategy name, catch-up
+    width) and the call settings a trace bakes in (``Rollout._graph_step``)."""
 
     def __init__(self, mode: str):
         if mode not in ("cuda", "static"):
@@ -98,10 +99,10 @@ class StepGraphs:
             return result
         self.disabled = reason
         self.entries.clear()
-        logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, strategy, catch-up width %s) failed "
-                       "its self-check: %s. Steps run eagerly for the rest of this call (the same tokens; more "
-                       "launches per step). Please report it with your GPU, torch and transformers versions.", key,
-                       reason)
+        logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, strategy, catch-up width %s) "
+                       "failed its self-check: %s. Steps run eagerly from here on (the same tokens; more launches "
+                       "per step; the engine's next call starts a new set of graphs). Please report it with your "
+                       "GPU, torch and transformers versions.", key[:3], reason)
         restore()
         before_each(reset_only=True)
         return body()
