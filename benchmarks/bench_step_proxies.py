@@ -5,9 +5,10 @@
 
 A GPU step is fast when the host never waits inside it and the device replays it from graphs. A CPU has neither
 cost, so it cannot time them, but it can count them (``tlt_trainers.rollout.step_probe.StepProbe``): per engine step,
-the device-to-host reads (``item``/``int``/``bool``, ``nonzero``, ``tolist``, ...), the aten ops dispatched outside
-a graph replay (each one launch on a GPU) and those inside one, with ``cuda_graphs="static"`` (the static-buffer
-path a capture records), plus the graphs captured (shapes prepared) in a first and a second ``generate()`` call
+the device-to-host reads (``item``/``int``/``bool``, ``nonzero``, ``tolist``, ...; mean and most), the aten ops
+dispatched outside a graph replay (each one launch on a GPU; mean and median: the first step after the prefill and
+steps where rows finish run eagerly) and those inside one, with ``cuda_graphs="static"`` (the static-buffer path a
+capture records), plus the graphs captured (shapes prepared) in a first and a second ``generate()`` call
 with the same shapes. Greedy and T=1, batch 1 and 4; plain decoding, ``chain:4`` and ``tree:6x4:16`` with the
 shipped EAGLE-3 drafter, ``block:4`` with the shipped block drafter, ``history:8``.
 """
@@ -61,6 +62,7 @@ def summarize(steps) -> dict:
     return {"steps": len(steps), "host_reads_mean": statistics.fmean(reads), "host_reads_max": max(reads),
             "host_reads_median": statistics.median(reads),
             "eager_ops_mean": statistics.fmean(s.eager_ops for s in steps),
+            "eager_ops_median": statistics.median(s.eager_ops for s in steps),
             "graph_ops_mean": statistics.fmean(s.graph_ops for s in steps)}
 
 
@@ -95,11 +97,13 @@ def main() -> None:
                           "eager_ops_by_op_per_step": {k: v / summary["steps"] for k, v in eager.most_common(12)}}
                 results.append(result)
                 rows.append([name, batch, "T=1" if do_sample else "greedy", summary["host_reads_mean"],
-                             summary["host_reads_max"], summary["eager_ops_mean"], summary["graph_ops_mean"],
+                             summary["host_reads_max"], summary["eager_ops_mean"], summary["eager_ops_median"],
+                             summary["graph_ops_mean"],
                              first["captures"], second["captures"], second["acceptance"]])
                 print(f"{name} batch {batch} {'T=1' if do_sample else 'greedy'}: {dict(reads.most_common(6))}",
                       flush=True)
-    table = print_table(["arm", "batch", "T", "host reads/step", "max", "eager ops/step", "graph ops/step",
+    table = print_table(["arm", "batch", "T", "host reads/step", "max", "eager ops/step", "median",
+                         "graph ops/step",
                          "captures call 1", "captures call 2", "tokens/forward"], rows)
     path = write_results(args.out, {"new_tokens": args.new_tokens, "results": results, "table": table})
     print(f"wrote {path}")

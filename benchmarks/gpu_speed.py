@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_results  # noqa: E402
+from gpu_exactness import first_divergences, sampled_law_check  # noqa: E402
 
 from tlt_trainers import BlockDrafter, Eagle3Drafter, SpeculativeGenerator, TLTConfig  # noqa: E402
 from tlt_trainers.rollout.graphs import graph_self_checks  # noqa: E402
@@ -137,31 +138,26 @@ def probe_steps(engine, ids, kwargs) -> dict:
     return {"host_reads_per_step": statistics.fmean(reads), "eager_ops_per_step": statistics.fmean(eager)}
 
 
-def exactness(model_fp32, device, tiny: bool, new_tokens: int) -> dict:
+def exactness(device, tiny: bool, new_tokens: int) -> dict:
     """Greedy in float32: equal to model.generate token for token; in bf16: the share of identical rows and the
-    first divergence (the verify pass's rounding differs from one-token decoding)."""
-    vocab = model_fp32.config.vocab_size
-    ids = prompts(8, vocab, 16, device, seed=3)
-    drafter = Eagle3Drafter.from_target(model_fp32).to(device)
-    out = {}
-    for name, model in (("float32", model_fp32), ("bfloat16", None)):
-        if model is None:
-            model = build_policy(device, torch.bfloat16, tiny)[0]
-            drafter = Eagle3Drafter.from_target(model).to(device=device, dtype=torch.bfloat16)
+    first divergences, and the sampled law against model.generate (gpu_exactness.py)."""
+    model32 = build_policy(device, torch.float32, tiny)[0]
+    ids = prompts(8, model32.config.vocab_size, 16, device, seed=3)
+    out: dict = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = model32 if dtype == torch.float32 else build_policy(device, dtype, tiny)[0]
+        drafter = Eagle3Drafter.from_target(model).to(device=device, dtype=dtype)
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
         row = {}
         for strategy in ("none", "chain:4", "tree:6x4:16"):
-            engine = SpeculativeGenerator(model, None if strategy == "none" else drafter,
-                                          TLTConfig(speculation="never" if strategy == "none" else "always",
-                                                    strategy=None if strategy == "none" else strategy,
-                                                    history_drafting=False))
-            ours = engine.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0).sequences
-            same = (ours == reference).all(dim=1)
-            differs = (ours != reference).int()
-            first = [int(r.argmax()) - ids.shape[1] for r, s in zip(differs, same, strict=True) if not s]
-            row[strategy] = {"identical_rows": int(same.sum()), "rows": len(same), "first_divergence": first}
+            ours = engine_for("plain" if strategy == "none" else strategy, model, {"eagle3": drafter}).generate(
+                ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0).sequences
+            row[strategy] = first_divergences(ours, reference, ids.shape[1])
         out[name] = row
+        if dtype == torch.bfloat16:
+            out["bfloat16_law"] = sampled_law_check(model, engine_for("chain:4", model, {"eagle3": drafter}),
+                                                    model32, device, samples=64 if tiny else 256)
     return out
 
 
@@ -208,8 +204,7 @@ def main() -> int:
     results["table"] = print_table(["batch", "arm", "tokens/s", "vs plain", "step cost vs plain", "tokens/forward",
                                     "host reads/step", "eager ops/step", "captures (2nd call)"], table)
     try:
-        fp32 = build_policy(device, torch.float32, args.tiny)[0]
-        results["exactness"] = exactness(fp32, device, args.tiny, 32 if not args.tiny else 8)
+        results["exactness"] = exactness(device, args.tiny, 32 if not args.tiny else 8)
     except Exception:  # noqa: BLE001
         results["errors"]["exactness"] = traceback.format_exc()
     results["graph_self_checks"] = graph_self_checks()
@@ -218,11 +213,13 @@ def main() -> int:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{args.out}.json").write_text(path.read_text())
     print(json.dumps(results.get("exactness", {}), indent=1))
-    fp32_exact = all(r["identical_rows"] == r["rows"] for r in results.get("exactness", {}).get("float32", {}).values())
+    exact = results.get("exactness", {})
+    fp32_exact = bool(exact) and all(r["identical_rows"] == r["rows"] for r in exact["float32"].values())
+    law_holds = bool(exact) and exact["bfloat16_law"]["ks_pvalue"] > 1e-3
     checks_ok = all(c["agrees"] for c in results["graph_self_checks"] + results["kernel_self_checks"])
-    print(f"wrote {path}; float32 greedy exact: {fp32_exact}; self-checks agree: {checks_ok}; "
-          f"errors: {sorted(results['errors'])}")
-    return 0 if fp32_exact and checks_ok and "exactness" in results else 1
+    print(f"wrote {path}; float32 greedy exact: {fp32_exact}; bf16 sampled law holds: {law_holds}; self-checks "
+          f"agree: {checks_ok}; errors: {sorted(results['errors'])}")
+    return 0 if fp32_exact and law_holds and checks_ok else 1
 
 
 if __name__ == "__main__":

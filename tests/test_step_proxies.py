@@ -82,6 +82,42 @@ def test_one_read_per_step(model, strategy, do_sample):
         assert result.stats.draft_tokens > 0
 
 
+@pytest.mark.parametrize("strategy", ["none", "chain:4"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_traced_step_launches_nothing_outside_its_graph(model, strategy, do_sample):
+    """Plain steps and EAGLE-3 chains run whole inside a graph region: outside it only the one read, and at T=1 the
+    one launch that fills the step's uniforms (``torch.rand(out=...)``: its resize_ and uniform_), except on the
+    first step (the drafter catches up on the prompt), the first traced one (it allocates the uniforms' buffer of
+    its bucket) and steps where rows finish."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[0, 1, 3])
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="never" if strategy == "none" else "always",
+                                                            strategy=None if strategy == "none" else strategy,
+                                                            cuda_graphs="static", history_drafting=False))
+    ids, mask = padded_prompts([5, 3, 8, 2], seed=3)
+    rollout = engine.start(ids, attention_mask=mask, max_new_tokens=24, do_sample=do_sample, eos_token_id=EOS,
+                           pad_token_id=PAD, generator=torch.Generator().manual_seed(1))
+    steady = []
+    with StepProbe() as probe:
+        rollout.begin()
+        probe.take()
+        step, more = 0, True
+        while more:
+            before = rollout.rows.size
+            more = rollout.step()
+            counts = probe.take()
+            if step >= 2 and rollout.rows.size == before:
+                steady.append(counts)
+            step += 1
+    rollout.finish()
+    assert len(steady) > 3
+    allowed = {"resize_", "uniform_"} if do_sample else set()
+    for counts in steady:
+        assert counts.host_reads == 1 and set(counts.eager_by_op) <= allowed, counts
+        assert counts.graph_ops > 0
+    assert rollout.step_graphs.replays >= len(steady)
+
+
 def test_graphs_persist_across_calls_and_stay_exact(model):
     """A second call with the same shapes prepares no graph shape; calls with other prompts reuse the cache and
     graphs and still match generate(); a larger batch bucket, or re-allocated policy parameters, start a new set."""

@@ -273,7 +273,7 @@ class GraphSession:
         self.step_graphs = StepGraphs(mode)
         self.row_buffers: dict[str, torch.Tensor] = {}
         self.draft_kv = None
-        self.streams: dict[int, object] = {}
+        self.streams: dict = {}  # the uniforms of traced steps per batch bucket (one buffer, "all")
         self.eos: dict[tuple, torch.Tensor] = {}
 
     @staticmethod

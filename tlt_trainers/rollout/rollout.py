@@ -199,7 +199,9 @@ class Rollout:
         if graphs.disabled is not None or rows.presence is not None:
             return None
         if strategy.kind == "chain" and isinstance(self.drafting, DrafterRunner):
-            width = strategy.depth + 1  # the drafter's catch-up: every row's accepted path and bonus token
+            # The drafter's catch-up: the rows' accepted paths and bonus tokens of the longest chain the engine
+            # drafts (a chain cut short near max_new_tokens follows a longer one)
+            width = max(s.depth for s in self.engine.strategies if s.kind == "chain") + 1
             if rows.max_behind > width:
                 return None  # after plain steps: a one-off wider catch-up, eagerly
         elif strategy.kind == "none":
@@ -232,7 +234,8 @@ class Rollout:
                rows.host_tokens is not None, None if self.eos is None else self.eos.data_ptr())
         result = graphs.run(key, body, self._snapshot,
                             lambda t: [t.packed, t.emitted, t.finished],
-                            lambda reset_only=False: stream.refill(self._uniform_generator(), reset_only))
+                            lambda reset_only=False: stream.refill(self._uniform_generator(),
+                                                                   reset_only or not self.params.do_sample))
         rows.features_used = rows.capacity  # traced steps do not track it on the host
         return result
 
@@ -241,8 +244,10 @@ class Rollout:
         acceptance tests and the residual draw)."""
         streams = self.session.streams
         if bucket not in streams:
-            depth = max((s.depth for s in self.engine.strategies if s.kind == "chain"), default=0)
-            streams[bucket] = UniformStream(bucket, 2 * depth + 2, self.device)
+            if "all" not in streams:  # one buffer for every bucket: a smaller one reads its first rows
+                depth = max((s.depth for s in self.engine.strategies if s.kind == "chain"), default=0)
+                streams["all"] = UniformStream(self.rows.reserved, 2 * depth + 2, self.device)
+            streams[bucket] = streams["all"].first_rows(bucket)
         return streams[bucket]
 
     def _uniform_generator(self) -> torch.Generator | None:

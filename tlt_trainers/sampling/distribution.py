@@ -243,9 +243,13 @@ class UniformStream:
     generator (one launch fills the buffer before each replay). Every uniform is used once: the same law as
     drawing each from the generator."""
 
-    def __init__(self, rows: int, columns: int, device: torch.device | str):
-        self.buffer = torch.zeros(rows, columns, device=device)
+    def __init__(self, rows: int, columns: int, device: torch.device | str, buffer: torch.Tensor | None = None):
+        self.buffer = torch.zeros(rows, columns, device=device) if buffer is None else buffer
         self.cursor = 0
+
+    def first_rows(self, rows: int) -> UniformStream:
+        """A stream over this one's first ``rows`` rows (the same memory: a smaller batch bucket's graphs)."""
+        return UniformStream(rows, self.buffer.shape[1], self.buffer.device, buffer=self.buffer[:rows])
 
     def refill(self, generator: torch.Generator | None, reset_only: bool = False) -> None:
         """New uniforms for the next step, from ``generator`` (on its own device); with ``reset_only`` the same
