@@ -95,12 +95,12 @@ class TLTConfig:
     )
     cuda_graphs: str = field(
         default="auto",
-        metadata={"help": "'auto': replay CUDA graphs of the decode and verify passes on CUDA devices, which saves "
-                  "the kernel launches that dominate small-batch steps (eager elsewhere). The graphs output the "
-                  "drafter's features too, EAGLE-3's tapped layers included. Each capture's first replay is checked "
-                  "against the eager pass; on a mismatch or a capture error the passes run eagerly for the rest of "
-                  "the process, with one warning. 'off': never; 'static': the graphs' static-buffer path without "
-                  "capturing, on any device (for tests).",
+        metadata={"help": "'auto': on CUDA devices, replay whole steps (plain, EAGLE chains: drafter, verify pass, "
+                  "sampling, acceptance, commit) from CUDA graphs, and the policy's pass of the other steps, which "
+                  "saves the kernel launches that dominate small-batch steps; graphs are kept across calls while "
+                  "shapes fit (eager elsewhere). Each capture's first replay is checked against the eager step or "
+                  "pass; on a mismatch or a capture error they run eagerly, with one warning. 'off': never; "
+                  "'static': the graphs' static-buffer path without capturing, on any device (for tests).",
                   "choices": ["auto", "off", "static"]},
     )
     selector_window: int = field(
