@@ -12,7 +12,7 @@ from test_engine_greedy import staggered_eos, train_drafter
 from test_engine_sampling import NEW_TOKENS, PROMPT, SAMPLES, _pad, hf_samples, two_sample_pvalue
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
-from tlt_trainers import Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers import BlockDrafter, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.rollout.graphs import graph_bucket
 
 
@@ -48,9 +48,9 @@ def test_static_graph_path_is_exact_greedy(trained, strategy):
                                pad_token_id=PAD)
     assert torch.equal(ours.sequences, reference)
     assert runner is not None and runner.replays + runner.step_replays > 0
-    if strategy in ("none", "chain:3"):  # whole steps traced (the first chain step catches up eagerly)
+    if strategy in ("none", "chain:3", "tree:3x2:6"):  # whole steps traced (the first one catches up eagerly)
         assert runner.step_replays > 0
-    else:  # trees and history: eager steps, the policy's pass from the graph runner
+    else:  # history: eager steps, the policy's pass from the graph runner
         assert runner.replays > 0
     # Steps at 7, 6, 5 or 3 rows ran padded (to 8 or 4) with finished rows, through the same graph shapes.
     assert {r.batch_size for r in ours.stats.trace} - {1, 2, 4, 8}, "the test needs padded steps"
@@ -98,17 +98,21 @@ def test_static_graph_path_with_eagle3_feature_taps():
     assert static.stats.accepted_tokens == eager.stats.accepted_tokens  # the drafter saw the same features
 
 
-def test_static_graph_path_sampling_distribution():
+@pytest.mark.parametrize("strategy", ["tree:3x2:5", "chain:4", "block:3"])
+def test_static_graph_path_sampling_distribution(strategy):
+    """Traced whole steps draw their uniforms from one buffer per step (UniformStream): the law stays generate's."""
     model = tiny_model("llama", vocab_size=8, logit_scale=12.0, seed=3)
     torch.manual_seed(11)
-    drafter = EagleDrafter.from_target(model)
-    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy="tree:3x2:5",
+    drafter = (BlockDrafter.from_target(model, block_size=4) if strategy.startswith("block")
+               else EagleDrafter.from_target(model))
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy,
                                                             cuda_graphs="static"))
     ids = PROMPT.expand(SAMPLES, -1)
     res = engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.9, top_k=0,
                           eos_token_id=EOS, pad_token_id=PAD, generator=torch.Generator().manual_seed(51))
     reference = hf_samples(model, seed=52, temperature=0.9)
     assert two_sample_pvalue(reference, _pad(res.sequences[:, PROMPT.shape[1]:])) > 1e-3
+    assert engine._graph_session.step_graphs.replays > 0  # the steps after the first were traced
 
 
 def test_graphs_only_on_cuda_by_default(trained):

@@ -107,7 +107,21 @@ class LayeredKV:
     """The block drafter's per-row cache: one :class:`RowKV` per layer, dropped and moved together."""
 
     def __init__(self, capacity: int, num_layers: int):
+        self.capacity = capacity
         self.layers = [RowKV(capacity) for _ in range(num_layers)]
+
+    @property
+    def reserve_rows(self) -> int:
+        return self.layers[0].reserve_rows if self.layers else 0
+
+    @reserve_rows.setter
+    def reserve_rows(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.reserve_rows = rows
+
+    def reset(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.reset(rows)
 
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
         for layer in self.layers:

@@ -141,10 +141,11 @@ class RowKV:
         """Copy slots ``source`` [B, m] to ``dest`` [B, m] per row (all reads happen before the writes)."""
         if self.keys is None:
             return
-        b, h, _, d = self.keys.shape
+        b = source.shape[0]  # the live rows, or a padded graph step's bucket
+        _, h, _, d = self.keys.shape
         src = source[:, None, :, None].expand(b, h, -1, d)
         dst = dest[:, None, :, None].expand(b, h, -1, d)
-        for buffer in (self.keys, self.values):
+        for buffer in (self.storage[0][:b], self.storage[1][:b]):
             buffer.scatter_(2, dst, buffer.gather(2, src))
 
     def nbytes(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..modeling.features import capture_features
-from ..modeling.kv_cache import RowKV, RowState, WritePlan
+from ..modeling.kv_cache import RowState, WritePlan
 from ..modeling.rows import ActiveRows
 from ..proposers.block import BlockProposer
 from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
@@ -130,11 +130,11 @@ class Rollout:
             presence.scatter_(1, input_ids, True)
         drafter = self.engine.drafter if self.use_drafter else None
         draft_kv = drafter.new_kv(self.capacity) if drafter is not None else None
-        if isinstance(draft_kv, RowKV):
+        if draft_kv is not None:
             draft_kv.reserve_rows = reserved  # padded graph steps write the drafter's keys of dead rows too
             if self.session is not None:  # kept for the step graphs of later calls
                 kept = self.session.draft_kv
-                if isinstance(kept, RowKV) and kept.capacity == draft_kv.capacity:
+                if type(kept) is type(draft_kv) and kept.capacity == draft_kv.capacity:
                     kept.reset(batch)
                     draft_kv = kept
                 self.session.draft_kv = draft_kv
@@ -198,12 +198,17 @@ class Rollout:
         rows, graphs = self.rows, self.step_graphs
         if graphs.disabled is not None or rows.presence is not None:
             return None
-        if strategy.kind == "chain" and isinstance(self.drafting, DrafterRunner):
-            # The drafter's catch-up: the rows' accepted paths and bonus tokens of the longest chain the engine
-            # drafts (a chain cut short near max_new_tokens follows a longer one)
-            width = max(s.depth for s in self.engine.strategies if s.kind == "chain") + 1
+        if strategy.kind in ("chain", "tree") and not strategy.history_tokens and \
+                isinstance(self.drafting, DrafterRunner):
+            # The drafter's catch-up: the rows' accepted paths and bonus tokens of the deepest chain or tree the
+            # engine drafts (a chain cut short near max_new_tokens follows a longer one)
+            width = max(s.depth for s in self.engine.strategies if s.kind in ("chain", "tree")) + 1
             if rows.max_behind > width:
                 return None  # after plain steps: a one-off wider catch-up, eagerly
+        elif strategy.kind == "block" and isinstance(self.drafting, BlockProposer):
+            width = max(s.depth for s in self.engine.strategies if s.kind == "block") + 1  # the context catch-up
+            if rows.max_behind > width:
+                return None
         elif strategy.kind == "none":
             width = 0
         else:
@@ -214,7 +219,7 @@ class Rollout:
         view = rows.padded(bucket)
         view.static_shapes = True
         stream = self._uniform_stream(bucket)
-        sampling = self.drafting.sampling if isinstance(self.drafting, DrafterRunner) else None
+        sampling = getattr(self.drafting, "sampling", None)
 
         def body() -> StepTensors:
             saved = self.rows, self.generator
@@ -240,13 +245,14 @@ class Rollout:
         return result
 
     def _uniform_stream(self, bucket: int) -> UniformStream:
-        """The static buffer of a graph step's uniforms at this bucket: enough for the deepest chain (its draws,
-        acceptance tests and the residual draw)."""
+        """The static buffer of a graph step's uniforms at this bucket: enough for any traced strategy's step."""
         streams = self.session.streams
         if bucket not in streams:
             if "all" not in streams:  # one buffer for every bucket: a smaller one reads its first rows
-                depth = max((s.depth for s in self.engine.strategies if s.kind == "chain"), default=0)
-                streams["all"] = UniformStream(self.rows.reserved, 2 * depth + 2, self.device)
+                # a chain: its draws, acceptance tests and residual draw; a tree: one draw per level and the last
+                columns = max([2 * s.depth + 1 if s.kind in ("chain", "block") else s.depth + 1
+                               for s in self.engine.strategies if s.kind in ("chain", "tree", "block")], default=1)
+                streams["all"] = UniformStream(self.rows.reserved, columns, self.device)
             streams[bucket] = streams["all"].first_rows(bucket)
         return streams[bucket]
 

@@ -1,8 +1,8 @@
 """Whole speculative steps replayed from CUDA graphs.
 
-On a GPU a speculative step is dozens of small kernels: the drafter's passes, sampling, acceptance, the commit of
+On a GPU a speculative step is hundreds of small kernels: the drafter's passes, sampling, acceptance, the commit of
 accepted tokens. Launched one by one from Python they cost more than the policy's verify pass they wrap, so a
-step of ``chain:4`` ends up several times a plain one. Here the whole step (drafter catch-up and chain, the
+step of ``chain:4`` ends up several times a plain one. Here the whole step (drafter catch-up and drafts, the
 policy's verify pass, sampling and acceptance, commit, and the packing of what the host reads) is one graph per
 (batch bucket, strategy), replayed on the rows' own buffers, which never move (``ActiveRows``: compaction is in
 place, and a bucket's graph runs over the first ``bucket`` rows, the dead ones frozen by the ``live`` mask).
@@ -10,10 +10,11 @@ place, and a bucket's graph runs over the first ``bucket`` rows, the dead ones f
 What the host contributes to a replay: the step's uniforms, drawn in one launch into a static buffer
 (``UniformStream``) so that no graph owns a generator; and, after it, the step's one read.
 
-A step is traced only in a steady state: an EAGLE chain whose drafter is at most ``depth + 1`` slots behind (the
-catch-up width is part of the graph), or a plain step; no repetition penalty (its presence masks per tree node are
-built with ``nonzero``). Other steps (trees, blocks, history, the catch-up after plain steps) run eagerly, with the
-policy's pass still replayed by :class:`~.graphs.GraphRunner`.
+A step is traced only in a steady state: a plain step, or an EAGLE chain or tree or a block draft whose drafter is
+at most the traced catch-up width behind (the deepest strategy's accepted path and bonus token); no repetition
+penalty (its presence masks per tree node are built with ``nonzero``). Other steps (history proposals, whose index is
+a host structure; the catch-up after plain steps) run eagerly, with the policy's pass still replayed by
+:class:`~.graphs.GraphRunner`.
 
 Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
 graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes

@@ -266,15 +266,17 @@ class UniformStream:
         self.cursor = 0
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Uniforms of ``shape`` ([B] or [B, k], B the buffer's rows): the next unused columns."""
-        if shape[0] != self.buffer.shape[0] or len(shape) > 2:
+        """Uniforms of ``shape`` ([B], [B, k], or [B * k]: k draws per row, row-major; B the buffer's rows): the
+        next unused columns."""
+        rows = self.buffer.shape[0]
+        if len(shape) > 2 or shape[0] % rows or (len(shape) == 2 and shape[0] != rows):
             raise ValueError(f"UniformStream of {tuple(self.buffer.shape)} cannot give uniforms of shape {shape}.")
-        width = shape[1] if len(shape) == 2 else 1
+        width = shape[1] if len(shape) == 2 else shape[0] // rows
         if self.cursor + width > self.buffer.shape[1]:
             raise RuntimeError(f"UniformStream: a step asked for more than its {self.buffer.shape[1]} uniforms a row.")
         out = self.buffer[:, self.cursor : self.cursor + width]
         self.cursor += width
-        return out if len(shape) == 2 else out[:, 0]
+        return out if len(shape) == 2 else out.reshape(-1)
 
 
 def uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | UniformStream | None
