@@ -75,6 +75,26 @@ def test_slow_steps_raise_the_measured_cost_of_their_bucket_only():
     assert selector.choose(1) != ARMS[2]
 
 
+def test_a_step_that_captured_a_graph_prices_nothing():
+    """The step during which a CUDA graph was captured paid for the capture (a one-off, often 100x a step): its
+    tokens count, its seconds neither correct the strategy's cost nor the plain pace; without the flag they would."""
+    def after_one_capture_step(costed: bool) -> StrategySelector:
+        selector = StrategySelector(ARMS, synthetic_profile(), exploration=0.0)
+        feed(selector, ARMS[0], 1, 3.0)
+        selector.observe(ARMS[0], 1, 3, 100 * selector.profile.step_seconds(ARMS[0], 1), costed=costed)
+        return selector
+
+    clean, priced = after_one_capture_step(costed=False), after_one_capture_step(costed=True)
+    reference = StrategySelector(ARMS, synthetic_profile(), exploration=0.0)
+    feed(reference, ARMS[0], 1, 3.0)
+    assert clean.relative_cost(ARMS[0], 1) == reference.relative_cost(ARMS[0], 1)
+    assert priced.relative_cost(ARMS[0], 1) > 2 * reference.relative_cost(ARMS[0], 1)
+    plain_capture = StrategySelector(ARMS, synthetic_profile(), exploration=0.0)
+    plain_capture.observe(NONE, 1, 1, 100 * plain_capture.profile.step_seconds(NONE, 1), costed=False)
+    assert plain_capture.pace == {} and plain_capture.plain_seen == {}
+    assert len(clean.observed[ARMS[0].name]) == len(reference.observed[ARMS[0].name]) + 1  # its tokens count
+
+
 def test_window_forgets_a_stale_drafter():
     selector = StrategySelector(ARMS[:1], synthetic_profile(), window=50, exploration=0.0)
     feed(selector, ARMS[0], 1, 1.0, steps=100)

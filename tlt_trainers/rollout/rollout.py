@@ -561,6 +561,7 @@ class Rollout:
         if self.drafting is not None:
             self.drafting.catch_up_seconds = 0.0
         strategy = self._choose()
+        captures = self._captures()
         start = self._now()
         outcome = self.speculative_step(strategy)
         seconds = self._now() - start  # the device's time too: the step ends with its one read, which waits for it
@@ -569,12 +570,18 @@ class Rollout:
                                first_accepted=outcome.first_accepted)
         if self.selector is not None:
             catch_up = self.drafting.catch_up_seconds if self.drafting is not None else 0.0
+            # A step that captured a graph took the capture's time too (a one-off): its seconds price nothing
             self.selector.observe(strategy, batch, outcome.emitted, seconds, outcome.accepted,
-                                  catch_up_seconds=catch_up, expected_emitted=outcome.expected_emitted)
+                                  catch_up_seconds=catch_up, expected_emitted=outcome.expected_emitted,
+                                  costed=self._captures() == captures)
         self._record_memory()
         if self._progress is not None:
             self._progress.update(outcome.emitted)
         return self.rows.size > 0
+
+    def _captures(self) -> int:
+        """CUDA graphs captured so far by this rollout's runners (0 without graphs, and in static mode)."""
+        return sum(r.captures for r in (self.graphs, self.step_graphs) if r is not None)
 
     def finish(self) -> GenerationResult:
         if self._progress is not None:

@@ -251,7 +251,7 @@ class StrategySelector:
 
     def observe(self, strategy: Strategy, batch: int, emitted: int, seconds: float,
                 accepted: int | None = None, catch_up_seconds: float = 0.0,
-                expected_emitted: float | None = None) -> None:
+                expected_emitted: float | None = None, costed: bool = True) -> None:
         """Learn from a step: tokens emitted (acceptance), its seconds (cost correction) and, after a history
         step chosen from its proposals, the draft tokens accepted (history calibration).
 
@@ -260,9 +260,11 @@ class StrategySelector:
         ``expected_emitted``: the same count with the first draft's 0/1 acceptance replaced by its probability
         (sampled chains): the same expectation, far less noise, so a few steps at batch 1 already say how well
         the drafter does.
+        ``costed=False``: the step's seconds include a one-off (a CUDA graph captured during it): only its tokens
+        are learnt from, not its cost, nor the plain pace.
         """
         self.steps += 1
-        if self._open_decision is not None:  # the step a changed choice led to: what it measured
+        if self._open_decision is not None and costed:  # the step a changed choice led to: what it measured
             plain = self.profile.step_seconds(NONE, batch)
             self._open_decision.update(
                 seconds=round(seconds, 6), tokens_per_row=round(emitted / batch, 4),
@@ -278,6 +280,8 @@ class StrategySelector:
                 per_row = (emitted if expected_emitted is None else expected_emitted) / batch
                 history.append((self.steps, per_row))
                 self.observed_in.setdefault((bucket, strategy.name), deque()).append((self.steps, per_row))
+        if not costed:
+            return
         predicted = self.profile.step_seconds(strategy, batch)
         if strategy.kind == "none":
             self.plain_seen[bucket] = self.steps

@@ -19,9 +19,8 @@ a host structure; the catch-up after plain steps) run eagerly, with the policy's
 Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
 graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes
 the step eager again (the state put back once more) and switches step graphs off for the engine's graph session (its
-next call starts a new one), with one
-warning. ``mode="static"`` traces the same body without capturing, on any device: the CPU tests count its ops
-(``step_probe``) and check its output against ``model.generate``.
+next call starts a new one), with one warning. ``mode="static"`` traces the same body without capturing, on any
+device: the CPU tests count its ops (``step_probe``) and check its output against ``model.generate``.
 """
 
 from __future__ import annotations
