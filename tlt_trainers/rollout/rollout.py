@@ -106,6 +106,10 @@ class Rollout:
         self.rows = self._new_rows(input_ids, pad, params, session.cache if session is not None else None, reserved)
         if session is not None:  # the buffers earlier calls' step graphs address
             self.rows.share_buffers(session.row_buffers)
+            k = max((s.history_tokens for s in strategies), default=0)
+            kept = session.row_buffers.get("history_drafts")
+            if k and (kept is None or kept.shape[1] < k):  # the history steps' drafts enter their graphs here
+                session.row_buffers["history_drafts"] = torch.zeros(reserved, k, dtype=torch.long, device=self.device)
             if self.eos is not None:
                 self.eos = session.eos.setdefault(tuple(self.eos.tolist()), self.eos)
         self.proposers, self.drafting, self.history = self._new_proposers(params, history_keys)
@@ -209,13 +213,20 @@ class Rollout:
             width = max(s.depth for s in self.engine.strategies if s.kind == "block") + 1  # the context catch-up
             if rows.max_behind > width:
                 return None
-        elif strategy.kind == "none":
+        elif strategy.kind in ("none", "history"):
             width = 0
         else:
             return None
         bucket = graph_bucket(rows.size)
         if bucket > rows.reserved:
             return None
+        traced, proposal_width, drafts = strategy, 0, None
+        if strategy.kind == "history":  # matched on the host; the drafts enter the graph through a static buffer
+            drafts = self._history_drafts(strategy, bucket)
+            if drafts is None:
+                traced = NONE  # no row has a match: a plain step
+            else:
+                proposal_width = drafts.shape[1]
         view = rows.padded(bucket)
         view.static_shapes = True
         stream = self._uniform_stream(bucket)
@@ -228,15 +239,16 @@ class Rollout:
             if sampling is not None:
                 sampling.generator = stream
             try:
-                return self._step_tensors(strategy)
+                return self._step_tensors(traced, None if drafts is None else Proposal.chain(drafts))
             finally:
                 self.rows, self.generator, self._tracing = saved[0], saved[1], False
                 if sampling is not None:
                     sampling.generator = saved[1]
 
         # Everything the traced step bakes in besides addresses: its shapes and the call's settings
-        key = (bucket, strategy.name, width, self.params, self.max_new, self.feature_sink is not None,
-               rows.host_tokens is not None, None if self.eos is None else self.eos.data_ptr())
+        key = (bucket, traced.name, width, proposal_width, self.params, self.max_new,
+               self.feature_sink is not None, rows.host_tokens is not None,
+               None if self.eos is None else self.eos.data_ptr())
         result = graphs.run(key, body, self._snapshot,
                             lambda t: [t.packed, t.emitted, t.finished],
                             lambda reset_only=False: stream.refill(self._uniform_generator(),
@@ -244,14 +256,30 @@ class Rollout:
         rows.features_used = rows.capacity  # traced steps do not track it on the host
         return result
 
+    def _history_drafts(self, strategy: Strategy, bucket: int) -> torch.Tensor | None:
+        """This step's history proposals [bucket, w] in the session's static buffer (w: the longest match rounded
+        up to a power of two, so that a few graphs serve every step; shorter matches repeat their last token, which
+        the verifier follows only where the policy draws it), or None where no row has a match."""
+        k = strategy.history_tokens
+        matches, _ = self.history.matches(self.rows, k)  # this step's matches (cached): the longest sets the width
+        longest = max((min(len(m.tokens), k) for m in matches), default=0)
+        if longest == 0:
+            return None
+        width = min(k, 1 << (longest - 1).bit_length())
+        tokens, _ = self.history.chains(self.rows, k, pad_to=width)
+        buffer = self.session.row_buffers["history_drafts"]
+        buffer[: tokens.shape[0], :width].copy_(tokens)
+        return buffer[:bucket, :width]
+
     def _uniform_stream(self, bucket: int) -> UniformStream:
         """The static buffer of a graph step's uniforms at this bucket: enough for any traced strategy's step."""
         streams = self.session.streams
         if bucket not in streams:
             if "all" not in streams:  # one buffer for every bucket: a smaller one reads its first rows
-                # a chain: its draws, acceptance tests and residual draw; a tree: one draw per level and the last
-                columns = max([2 * s.depth + 1 if s.kind in ("chain", "block") else s.depth + 1
-                               for s in self.engine.strategies if s.kind in ("chain", "tree", "block")], default=1)
+                # a chain: its draws, acceptance tests and residual draw; a tree or history: a draw per level and
+                # the last
+                columns = max([2 * s.depth + 1 if s.kind in ("chain", "block") else
+                               max(s.depth, s.history_tokens) + 1 for s in self.engine.strategies], default=1)
                 streams["all"] = UniformStream(self.rows.reserved, columns, self.device)
             streams[bucket] = streams["all"].first_rows(bucket)
         return streams[bucket]
@@ -287,11 +315,13 @@ class Rollout:
         """The timer's phase, or nothing inside a step traced into a graph (the step is timed as a whole)."""
         return contextlib.nullcontext() if self._tracing else self.timer.phase(name)
 
-    def _step_tensors(self, strategy: Strategy) -> StepTensors:
-        """One step on the device, reading nothing back: what :meth:`_read_report` reads."""
+    def _step_tensors(self, strategy: Strategy, proposal: Proposal | None = None) -> StepTensors:
+        """One step on the device, reading nothing back: what :meth:`_read_report` reads. ``proposal``: drafts made
+        before the step (rollout history's, traced steps)."""
         rows, batch = self.rows, self.rows.size
         with self._phase("draft"):
-            proposal = self.proposer_for(strategy).propose(rows, strategy) if strategy.proposer else None
+            if proposal is None and strategy.proposer:
+                proposal = self.proposer_for(strategy).propose(rows, strategy)
         with self._phase("decode" if proposal is None else "verify"):
             proposal = proposal or Proposal.nothing(batch, self.device)
             tree, length = proposal.tree, rows.state.length

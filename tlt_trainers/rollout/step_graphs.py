@@ -8,13 +8,14 @@ policy's verify pass, sampling and acceptance, commit, and the packing of what t
 place, and a bucket's graph runs over the first ``bucket`` rows, the dead ones frozen by the ``live`` mask).
 
 What the host contributes to a replay: the step's uniforms, drawn in one launch into a static buffer
-(``UniformStream``) so that no graph owns a generator; and, after it, the step's one read.
+(``UniformStream``) so that no graph owns a generator, and a history step's drafts (one copy); after it, the step's
+one read.
 
-A step is traced only in a steady state: a plain step, or an EAGLE chain or tree or a block draft whose drafter is
-at most the traced catch-up width behind (the deepest strategy's accepted path and bonus token); no repetition
-penalty (its presence masks per tree node are built with ``nonzero``). Other steps (history proposals, whose index is
-a host structure; the catch-up after plain steps) run eagerly, with the policy's pass still replayed by
-:class:`~.graphs.GraphRunner`.
+A step is traced only in a steady state: a plain step, a history chain (matched on the host, its drafts copied into a
+static buffer before the replay), or an EAGLE chain or tree or a block draft whose drafter is at most the traced
+catch-up width behind (the deepest strategy's accepted path and bonus token); no repetition penalty (its presence
+masks per tree node are built with ``nonzero``). Other steps (a tree merged with history; the catch-up after plain
+steps) run eagerly, with the policy's pass still replayed by :class:`~.graphs.GraphRunner`.
 
 Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
 graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes
