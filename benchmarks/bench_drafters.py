@@ -149,16 +149,17 @@ def run(engine: SpeculativeGenerator, tok, prompts: list[str], batch: int, tempe
 def main() -> None:
     args = parse_args()
     model, tok = load_smollm2()
-    sequences = answers()
-    vocab = draft_vocab(model, sequences[: args.warmup_answers], args.draft_vocab)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SystemExit(f"--kinds {unknown}: choose from {sorted(KINDS)}")
-    folders = warmed(kinds, args)
-    drafters: dict[str, tuple[Drafter, str]] = {
-        f"{ROW_NAMES[k]} fresh": (fresh(k, model, vocab), f"{KINDS[k].__name__}.from_target, draft vocabulary from "
-                                                          "the answers") for k in kinds}
+    drafters: dict[str, tuple[Drafter, str]] = {}
+    folders = {}
+    if kinds:  # fresh and warmed-up drafters need the policy's cached answers; the shipped ones do not
+        vocab = draft_vocab(model, answers()[: args.warmup_answers], args.draft_vocab)
+        folders = warmed(kinds, args)
+        drafters = {f"{ROW_NAMES[k]} fresh": (fresh(k, model, vocab), f"{KINDS[k].__name__}.from_target, draft "
+                                                                      "vocabulary from the answers") for k in kinds}
     for kind, folder in folders.items():
         drafters[f"{ROW_NAMES[kind]} {args.warmup_minutes:g}-min"] = (Drafter.from_pretrained(folder, target=model),
                                                                        str(folder))
