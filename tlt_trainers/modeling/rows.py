@@ -10,6 +10,8 @@ of theirs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .kv_cache import RowState, compact_in_place, compaction_plan
@@ -106,6 +108,20 @@ class ActiveRows:
             row_state = getattr(self, name)
             vars(view)[name] = None if row_state is None else row_state.view(bucket)
         return view
+
+    def snapshot(self) -> Callable[[], None]:
+        """Save what a step changes in place besides cache slots it rewrites identically (tokens, counts,
+        lengths); returns the function that puts it back (a graph's capture check runs the step twice)."""
+        buffers = [self._full["seq"], self._full["generated"], self.state._length]
+        if self.draft_state is not None:
+            buffers.append(self.draft_state._length)
+        saved = [(buffer, buffer.clone()) for buffer in buffers]
+
+        def restore() -> None:
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+
+        return restore
 
     def share_buffers(self, kept: dict[str, torch.Tensor]) -> None:
         """Move this batch into ``kept``, buffers an earlier batch used (the ones graphs captured then address),

@@ -29,11 +29,13 @@ use it to check that padding, full-capacity masks and static inputs change nothi
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowCache, WritePlan
+from .step_graphs import StepGraphs
 from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
@@ -268,8 +270,6 @@ class GraphSession:
         self.holder = None  # a weak reference to the rollout using it
         # Whole-step graphs and what they address besides the cache: the rows' buffers, the drafter's cache, the
         # uniforms' buffers per bucket and the EOS ids (tlt_trainers.rollout.step_graphs)
-        from .step_graphs import StepGraphs
-
         self.step_graphs = StepGraphs(mode)
         self.row_buffers: dict[str, torch.Tensor] = {}
         self.draft_kv = None
@@ -292,7 +292,5 @@ class GraphSession:
         return holder is not None and holder.rows.size > 0
 
     def take(self, rollout, batch: int) -> None:
-        import weakref
-
         self.holder = weakref.ref(rollout)
         self.cache.reset(batch)

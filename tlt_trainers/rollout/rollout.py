@@ -36,7 +36,7 @@ class GenerationResult:
 
 @dataclass
 class StepReport:
-    """What :meth:`Rollout._settle` read back from the device for one step."""
+    """What :meth:`Rollout._read_report` read back from the device for one step."""
 
     emitted: int  # tokens appended over all rows
     counts: list[int]  # the step's statistics, in the order they were passed
@@ -249,7 +249,7 @@ class Rollout:
         key = (bucket, traced.name, width, proposal_width, self.params, self.max_new,
                self.feature_sink is not None, rows.host_tokens is not None,
                None if self.eos is None else self.eos.data_ptr())
-        result = graphs.run(key, body, self._snapshot,
+        result = graphs.run(key, body, rows.snapshot,
                             lambda t: [t.packed, t.emitted, t.finished],
                             lambda reset_only=False: stream.refill(self._uniform_generator(),
                                                                    reset_only or not self.params.do_sample))
@@ -295,21 +295,6 @@ class Rollout:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             self._step_generator = torch.Generator(device=self.device).manual_seed(seed)
         return self._step_generator
-
-    def _snapshot(self) -> Callable[[], None]:
-        """Save what a step changes in place besides cache slots it rewrites identically (tokens, counts,
-        lengths); returns the function that puts it back (a graph's capture check runs the step twice)."""
-        rows = self.rows
-        buffers = [rows._full["seq"], rows._full["generated"], rows.state._length]
-        if rows.draft_state is not None:
-            buffers.append(rows.draft_state._length)
-        saved = [(buffer, buffer.clone()) for buffer in buffers]
-
-        def restore() -> None:
-            for buffer, copy in saved:
-                buffer.copy_(copy)
-
-        return restore
 
     def _phase(self, name: str):
         """The timer's phase, or nothing inside a step traced into a graph (the step is timed as a whole)."""
@@ -525,7 +510,7 @@ class Rollout:
             flat = rest[step.num_counts + batch : step.num_counts + batch + batch * width]
             for i in range(rows.size):
                 n = int(appended[i])
-                rows.host_tokens[i] = rows.host_tokens[i] + [int(v) for v in flat[i * width : i * width + n]]
+                rows.host_tokens[i].extend(int(v) for v in flat[i * width : i * width + n])
         self.stats.generated_tokens += total
         if num_finished:
             self._retire(step.finished[: rows.size])
