@@ -1,11 +1,14 @@
 """Copy the benchmark tables from benchmarks/results/*.json into docs/benchmarks.md and README.md.
 
     python benchmarks/update_docs.py            # rewrite the results blocks in place
-    python benchmarks/update_docs.py --check    # exit 1 if a block differs from its JSON (nothing written)
+    python benchmarks/update_docs.py --check    # exit 1 if a block differs from its JSON, or a figure in the docs
+                                                # comes from no results file (nothing written)
 
 Each block `<!-- results:NAME -->` ... `<!-- /results:NAME -->` in those files is replaced by the table stored
 in benchmarks/results/NAME.json, headed by the command that produced it, the date and the machine it ran on.
-The prose around the blocks is written by hand for the result it names.
+The prose around the blocks is written by hand for the result it names; its figures, and those of README.md,
+docs/*.md and the shipped model cards, are checked against the results files by ``doc_figures.py`` (how a figure is
+traced, and how to mark one that is not a measurement, is in its docstring).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_figures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -123,9 +129,16 @@ def main() -> None:
         if not options.check:
             target.write_text(updated)
             print(f"updated {target.relative_to(ROOT)}")
+    untraced = doc_figures.check(ROOT)
+    for problem in untraced:
+        print(problem)
+    if untraced:
+        print(f"{len(untraced)} figure(s) in the docs that the results files named for them do not hold "
+              "(benchmarks/doc_figures.py says how figures are traced)")
     if options.check and stale:
         print("out of date: " + ", ".join(sorted({str(t.relative_to(ROOT)) for t in stale}))
               + " (run python benchmarks/update_docs.py)")
+    if options.check and (stale or untraced):
         sys.exit(1)
 
 

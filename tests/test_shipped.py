@@ -2,6 +2,7 @@
 trainers start from the match unless told otherwise."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -79,25 +80,63 @@ def test_the_architecture_the_user_set_picks_the_shipped_drafter(shelf, tmp_path
         shipped.shipped_drafter_for(policy, "medusa")
 
 
-def test_model_card_figures_are_the_bench_drafters_result():
-    """One figure, one source: the shipped card's acceptance table is what benchmarks/bench_drafters.py measured
-    (its result file), as ``scripts/train_shipped_drafter.py card`` writes it."""
+ROOT = Path(__file__).resolve().parents[1]
+CARDS = {"smollm2-135m-instruct-eagle3": "eagle3 shipped", "smollm2-135m-instruct-block": "block shipped"}
+TABLE_ROW = re.compile(r"^\| (greedy|temperature 1), chain of (\d+), batch (\d+) \| ([\d.]+) \| ([\d.]+) \|$", re.M)
+
+
+@pytest.mark.parametrize("folder", sorted(CARDS))
+def test_model_card_figures_are_those_of_the_results_files_it_names(folder):
+    """Read from the card's text and compared with the JSON and training.json directly (not with the code that wrote
+    the card): per machine, a heading with the CPU the result file records, the file and its command, and a table
+    whose every figure is that file's; the training facts are the drafter's training.json."""
+    card = (ROOT / "tlt_trainers" / "shipped" / folder / "README.md").read_text()
+    measured = card.split("## Measured acceptance")[1].split("## Use it")[0]
+    cpus = []
+    for part in re.split(r"^### ", measured, flags=re.M)[1:]:
+        heading, body = part.split("\n", 1)
+        machine_named, name = re.fullmatch(r"(.+) \(`(benchmarks/results/\w+\.json)`\)", heading).groups()
+        results = json.loads((ROOT / name).read_text())
+        machine = results["machine"]
+        assert machine_named == f"{machine['cpu']}, {machine['cpus']} CPUs"
+        assert f"`{results['command']}`" in body and machine["date"] in body
+        rows = {(r["temperature"], r["batch"]): r for r in results["rows"] if r["drafter"] == CARDS[folder]}
+        table = TABLE_ROW.findall(body)
+        assert len(table) == len(rows) == 4, name  # greedy and T=1, batch 1 and 4
+        for setting, k, batch, acceptance, speedup in table:
+            row = rows[0.0 if setting == "greedy" else 1.0, int(batch)]
+            assert int(k) == row["k"]
+            assert float(acceptance) == pytest.approx(row["acceptance_length"], abs=5e-4)
+            assert float(speedup) == pytest.approx(row["speedup"], rel=5e-4)
+        cpus.append(machine["cpu"])
+    assert cpus == ["AMD EPYC (AVX2, AVX-512)", "Intel(R) Xeon(R) Processor (AVX2, AVX-512)"]
+    # the sign of the speed-up is the machine's, and the card says so in words
+    assert ("on AMD EPYC (AVX2, AVX-512), 2 CPUs it is faster at batch 1 (greedy, temperature 1), slower at batch 4 "
+            "(greedy, temperature 1); on Intel(R) Xeon(R) Processor (AVX2, AVX-512), 2 CPUs it is faster at batch 4 "
+            "(greedy, temperature 1), slower at batch 1 (greedy, temperature 1)") in measured
+    training = json.loads((ROOT / "tlt_trainers" / "shipped" / folder / "training.json").read_text())
+    assert f"\n- steps: {training['steps']}\n" in card
+    assert f"\n- tokens trained: {training['tokens_trained']}\n" in card
+    assert f"\n- minutes: {round(training['train_seconds'] / 60, 1):g}\n" in card
+    assert f"\n- reproduce: `{training['command']}`\n" in card
+
+
+@pytest.mark.parametrize("folder", sorted(CARDS))
+def test_the_shipped_card_is_what_the_script_writes_now(folder, tmp_path):
+    """``scripts/train_shipped_drafter.py card`` rewrites the shipped card unchanged (cards made later carry the
+    machines and result files the same way)."""
     import importlib.util
 
-    from tlt_trainers.drafter.model_card import acceptance_table
+    from tlt_trainers import Drafter
 
-    root = Path(__file__).resolve().parents[1]
-    path = root / "scripts" / "train_shipped_drafter.py"
+    path = ROOT / "scripts" / "train_shipped_drafter.py"
     spec = importlib.util.spec_from_file_location("train_shipped_drafter", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    results = root / "benchmarks" / "results"
-    for folder, result, row in (("smollm2-135m-instruct-eagle3", "bench_drafters.json", script.SHIPPED_ROW),
-                                ("smollm2-135m-instruct-block", "bench_drafters_block.json", script.BLOCK_ROW)):
-        rows, source = script.card_acceptance(results / result, row)
-        assert len(rows) == 4  # greedy and T=1, batch 1 and 4
-        card = (root / "tlt_trainers" / "shipped" / folder / "README.md").read_text()
-        assert acceptance_table(rows) in card and source in card, folder
+    shipped_folder = ROOT / "tlt_trainers" / "shipped" / folder
+    info = json.loads((shipped_folder / "training.json").read_text())
+    written = script.write_card(Drafter.from_pretrained(shipped_folder), info, tmp_path)
+    assert written.read_text() == (shipped_folder / "README.md").read_text()
 
 
 def test_the_shipped_block_drafter_is_opt_in_for_smollm2():

@@ -63,6 +63,7 @@ def write_model_card(
     training: dict | None = None,
     license: str | None = None,
     acceptance_source: str | None = None,
+    measurements: list[dict] | None = None,
 ) -> Path:
     """Write ``out_dir/README.md``: YAML front matter (``library_name``, ``tags``, ``base_model`` = the policy) and
     what the drafter is aligned to, its measured acceptance, and how to load it in tlt_trainers, vLLM and SGLang.
@@ -72,7 +73,11 @@ def write_model_card(
     ``repo_id``: where this folder is published (used in the load snippets). ``vllm_model``/``sglang_model``: where
     exports made with ``tlt_trainers.drafter.export`` are published; when None the snippets show the export step.
     ``training``: facts about training (steps, tokens, rollouts, ...), listed as given. ``acceptance_source``: where
-    the acceptance figures come from (the command and result file that measured them). Returns the README path.
+    the acceptance figures come from (the command and result file that measured them). ``measurements``: the same
+    drafter measured on several machines, each ``{"machine": ..., "source": ..., "acceptance": ..., "results": ...}``:
+    one subsection per machine, headed by the machine and its results file, its source line (the command, the date)
+    above its table;
+    ``acceptance_source`` is then said once above them. Returns the README path.
     """
     from huggingface_hub import ModelCardData
 
@@ -173,11 +178,9 @@ def write_model_card(
     out += [
         "## Measured acceptance",
         "",
-        "Acceptance length: mean number of tokens produced per policy forward pass (1.0 means no gain).",
+        "Acceptance length: mean number of tokens produced per policy forward pass (1 means no gain).",
         "",
-        acceptance_table(acceptance),
-        "",
-        *([acceptance_source, ""] if acceptance_source else []),
+        *_measured(acceptance, acceptance_source, measurements),
         "## Use it",
         "",
         "tlt-trainers (the files in this folder):",
@@ -208,6 +211,18 @@ def write_model_card(
         out += ["The token map keeps the draft vocabulary: without `--speculative-token-map` SGLang would draft over",
                 "the full vocabulary.", ""]
     return _save_card(data, out, out_dir)
+
+
+def _measured(acceptance, source: str | None, measurements: list[dict] | None) -> list[str]:
+    """The lines of the measured-acceptance section: one table, or one subsection per machine."""
+    if not measurements:
+        return [acceptance_table(acceptance), "", *([source, ""] if source else [])]
+    lines = [source, ""] if source else []
+    for measurement in measurements:
+        heading = measurement["machine"] + (f" (`{measurement['results']}`)" if measurement.get("results") else "")
+        lines += [f"### {heading}", "", measurement["source"], "",
+                  acceptance_table(measurement["acceptance"]), ""]
+    return lines
 
 
 def _save_card(data, lines: list[str], out_dir: str | Path) -> Path:
