@@ -4,15 +4,17 @@ vllm-cpu 0.31/0.32 divide the target logits by uninitialised memory when they sp
 (vllm-project/vllm#55005): the CPU replacement of the rejection sampler's ``expand_kernel`` hands its C++ op a
 throw-away int64 copy of the float32 output. The plugin replaces that function (``expand_batch_values``).
 
-The first tests check the gate and the replacement and need no vLLM. The others run vLLM's own
-``RejectionSampler`` (no model) in two subprocesses, one with the plugin switched off (``TLT_VLLM_CPU_SAMPLING_FIX=0``)
-and one with it on, each loading vLLM's general plugins and then the CPU kernel overrides as a vLLM worker does
+The first tests run the plugin and its check in this process against vLLM's own CPU expand (and an expand
+written as an upstream fix would be), with the test's own hand check of each expand. The others run vLLM's own
+``RejectionSampler`` (no model) in three subprocesses, one with the plugin switched off
+(``TLT_VLLM_CPU_SAMPLING_FIX=0``), one with it on and one where vLLM's ``VLLM_PLUGINS`` allow-list leaves it out,
+each loading vLLM's general plugins and then the CPU kernel overrides as a vLLM worker does
 (``load_general_plugins()``, ``current_platform.register_triton_kernel_overrides()``). Many identical requests with
 fixed target logits and fixed greedy drafts (EAGLE's point masses, ``draft_probs=None``) give the law of the first
 emitted token, which is exactly the processed target distribution p1 (the draft is accepted with probability p1(d1),
 else a token is drawn from p1 restricted off d1), and of the second given the first draft was accepted (p2). A
 chi-square test compares both with the exact law, at two temperatures, with and without top-p, and with top-k. They
-are skipped where vLLM does not import (they take about 15-30 s: both subprocesses start vLLM at once).
+are skipped where vLLM does not import (they take about 15-40 s: the subprocesses start vLLM at once).
 Run this file as a script (``python tests/test_vllm_cpu_sampling.py CONFIG_JSON``) to get one subprocess's counts.
 """
 
@@ -29,61 +31,115 @@ from pathlib import Path
 import pytest
 import torch
 
-from tlt_trainers.vllm.cpu_sampling_fix import SWITCH, expand_batch_values, needs_fix
-
-# The installed vllm-cpu 0.31.0's _expand_kernel_impl (vllm/utils/cpu_triton_utils.py), and the same function once
-# its output is no longer a throw-away copy (what an upstream fix such as vllm-project/vllm#55006 looks like).
-BUGGY_SOURCE = '''def _expand_kernel_impl(
-    output,
-    input_val,
-    cu_num_tokens,
-    replace_from,
-    replace_to,
-    MAX_NUM_TOKENS=None,
-):
-    torch.ops._C.expand_kernel_impl(
-        _ensure_int64(output),
-        _ensure_int64(input_val),
-        _ensure_int64(cu_num_tokens),
-        replace_from,
-        replace_to,
-    )
-'''
-FIXED_SOURCE = '''def _expand_kernel_impl(
-    output,
-    input_val,
-    cu_num_tokens,
-    replace_from,
-    replace_to,
-    MAX_NUM_TOKENS=None,
-):
-    if output.dtype == torch.int64 and input_val.dtype == torch.int64:
-        torch.ops._C.expand_kernel_impl(
-            output, input_val, _ensure_int64(cu_num_tokens), replace_from, replace_to
-        )
-        return
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
-    values = torch.where(input_val == replace_from, replace_to, input_val)
-    output[: int(counts.sum())] = torch.repeat_interleave(values, counts).to(output.dtype)
-'''
+from tlt_trainers.vllm.cpu_sampling_fix import SWITCH, expand_batch_values
 
 
-# ------------------------------------------------------------------------------------------------ without vLLM
-@pytest.mark.parametrize(("version", "source", "platform", "expected"), [
-    ("0.31.0", BUGGY_SOURCE, "cpu", True),
-    ("0.32.0", BUGGY_SOURCE, "cpu", True),
-    ("0.31.0+cpu", BUGGY_SOURCE, "cpu", True),
-    ("0.31.0", BUGGY_SOURCE, "cuda", False),
-    ("0.30.2", BUGGY_SOURCE, "cpu", False),
-    ("0.30.0", BUGGY_SOURCE, "cpu", False),
-    ("0.33.0", FIXED_SOURCE, "cpu", False),  # a release with the upstream fix turns the plugin off by itself
-    ("0.32.0", FIXED_SOURCE, "cpu", False),
-    (None, BUGGY_SOURCE, "cpu", False),
-    ("0.31.0", None, "cpu", False),  # source unreadable: do not patch blind
-    ("0.31.0", BUGGY_SOURCE, None, False),
-])
-def test_the_gate_is_on_exactly_where_the_bug_is(version, source, platform, expected):
-    assert needs_fix(version, source, platform) is expected
+def hand_expand_is_exact(expand) -> bool:
+    """The test's own check of an expand (independent of the plugin's): fractional float32 temperatures into a
+    NaN-filled output, compared with the expansion written out by hand."""
+    output = torch.full((5,), float("nan"))
+    expand(output, torch.tensor([0.5, 0.0, 1.75]), torch.tensor([2, 4, 5], dtype=torch.int32), 0, 1)
+    return torch.equal(output, torch.tensor([0.5, 0.5, 1.0, 1.0, 1.75]))
+
+
+def correct_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """What a vLLM with the upstream fix (vllm-project/vllm#55006) does, written independently of the plugin's."""
+    start = 0
+    for value, end in zip(input_val.tolist(), cu_num_tokens.tolist()):
+        output[start:end] = replace_to if value == replace_from else value
+        start = end
+
+
+@pytest.fixture
+def vllm_cpu(monkeypatch):
+    """vLLM's CPU kernel module with the plugin's state fresh, both restored afterwards."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.utils import cpu_triton_utils
+    except Exception as err:  # noqa: BLE001 (a broken torchvision raises a RuntimeError)
+        pytest.skip(f"vLLM does not import here ({err!r}); .ci/run installs vllm-cpu")
+    if not current_platform.is_cpu():
+        pytest.skip("these tests are about vLLM's CPU backend")
+    from tlt_trainers.vllm import cpu_sampling_fix
+
+    current_platform.import_kernels()
+    monkeypatch.setattr(cpu_sampling_fix, "_state", {})
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", cpu_triton_utils._expand_kernel_impl)
+    monkeypatch.delenv(SWITCH, raising=False)
+    return cpu_triton_utils
+
+
+@pytest.mark.vllm
+def test_the_plugin_replaces_vllms_wrong_expand_and_the_check_proves_it(vllm_cpu):
+    from tlt_trainers.vllm import cpu_sampling_fix
+
+    original = vllm_cpu._expand_kernel_impl
+    bug_present = not hand_expand_is_exact(original)  # vllm-cpu 0.31: True
+    before = cpu_sampling_fix.check()
+    assert before.exact is not bug_present and not cpu_sampling_fix.applied()
+    if bug_present:
+        assert "plugin did not run" in before.reason and "pip install" in before.fix
+    cpu_sampling_fix.register()
+    after = cpu_sampling_fix.check()
+    assert after.exact and hand_expand_is_exact(vllm_cpu._expand_kernel_impl)
+    assert cpu_sampling_fix.applied() is bug_present  # replaced exactly where vLLM's own expand is wrong
+    assert (vllm_cpu._expand_kernel_impl is expand_batch_values) is bug_present
+
+
+@pytest.mark.vllm
+def test_a_vllm_whose_expand_is_right_is_left_alone(vllm_cpu):
+    from tlt_trainers.vllm import cpu_sampling_fix
+
+    vllm_cpu._expand_kernel_impl = correct_expand
+    cpu_sampling_fix.register()
+    assert vllm_cpu._expand_kernel_impl is correct_expand and not cpu_sampling_fix.applied()
+    result = cpu_sampling_fix.check()
+    assert result.exact and not result.patched and "exact as installed" in result.reason
+
+
+@pytest.mark.vllm
+def test_a_failing_plugin_never_stops_vllm_and_the_check_says_why(vllm_cpu, monkeypatch, caplog):
+    from tlt_trainers.vllm import cpu_sampling_fix
+
+    def broken():
+        raise OSError("source unreadable")
+
+    with monkeypatch.context() as patch, caplog.at_level("ERROR", logger="vllm.tlt_trainers"):
+        patch.setattr(cpu_sampling_fix, "_load_cpu_ops", broken)
+        cpu_sampling_fix.register()  # returns: vLLM's plugin loader would have raised into the engine's start
+    assert "failed" in caplog.text and "source unreadable" in caplog.text
+    assert vllm_cpu._expand_kernel_impl is not expand_batch_values
+    result = cpu_sampling_fix.check()
+    if not hand_expand_is_exact(vllm_cpu._expand_kernel_impl):
+        assert not result.exact and "source unreadable" in result.reason and result.fix
+
+
+@pytest.mark.vllm
+def test_switched_off_the_check_names_the_switch(vllm_cpu, monkeypatch):
+    from tlt_trainers.vllm import cpu_sampling_fix
+
+    monkeypatch.setenv(SWITCH, "0")
+    cpu_sampling_fix.register()
+    assert vllm_cpu._expand_kernel_impl is not expand_batch_values
+    result = cpu_sampling_fix.check()
+    if not hand_expand_is_exact(vllm_cpu._expand_kernel_impl):
+        assert not result.exact and f"{SWITCH}=0" in result.reason and f"unset {SWITCH}" in result.fix
+
+
+def test_the_check_runs_an_expand_and_is_not_fooled():
+    from tlt_trainers.vllm.cpu_sampling_fix import expand_is_exact
+
+    def writes_nothing(output, *args, **kwargs):
+        pass
+
+    def truncates(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+        correct_expand(output, input_val.long().float(), cu_num_tokens, replace_from, replace_to)
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("op missing")
+
+    assert expand_is_exact(expand_batch_values) and expand_is_exact(correct_expand)
+    assert not any(expand_is_exact(f) for f in (writes_nothing, truncates, raises))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
@@ -198,12 +254,12 @@ def _sample_in_this_process(config: dict) -> dict:
         from vllm.plugins import load_general_plugins
     except Exception as err:  # noqa: BLE001 (a broken torchvision raises a RuntimeError)
         return {"import_error": repr(err)}
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()
+    bug_present = not hand_expand_is_exact(cpu_triton_utils._expand_kernel_impl)  # vLLM's own, before any plugin
     load_general_plugins()
     current_platform.register_triton_kernel_overrides()
-    import ast
-    import inspect
-
-    from vllm.utils import cpu_triton_utils
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.rejection_sampler import RejectionSampler
@@ -251,14 +307,11 @@ def _sample_in_this_process(config: dict) -> dict:
             return torch.bincount(tokens[valid], minlength=VOCAB).tolist() + [int((~valid).sum())]
 
         results.append(case | {"first": counts(first), "second": counts(second)})
-    # The installed function's source, read from its file (the plugin may have replaced the module attribute).
-    module_source = inspect.getsource(cpu_triton_utils)
-    function = next(node for node in ast.parse(module_source).body
-                    if isinstance(node, ast.FunctionDef) and node.name == "_expand_kernel_impl")
     platform = "cpu" if current_platform.is_cpu() else current_platform.device_type
+    check = cpu_sampling_fix.check()
     return {"vllm": vllm_version(), "platform": platform, "plugin_applied": cpu_sampling_fix.applied(),
-            "bug_present": needs_fix(vllm_version(), ast.get_source_segment(module_source, function), platform),
-            "results": results}
+            "bug_present": bug_present, "check_exact": check.exact, "check_reason": check.reason,
+            "check_fix": check.fix, "results": results}
 
 
 @functools.lru_cache(maxsize=1)
@@ -268,11 +321,14 @@ def _runs() -> dict[str, dict]:
         pytest.skip("vLLM is not installed; .ci/run installs vllm-cpu")
     config = json.dumps({"rows": ROWS, "logits": TARGET_LOGITS, "drafts": DRAFTS, "cases": CASES, "seed": 0})
     procs = {}
-    for setting in ("off", "on"):
-        env = {key: value for key, value in os.environ.items() if key not in (SWITCH, "TRITON_INTERPRET")}
+    for setting in ("off", "on", "absent"):
+        env = {key: value for key, value in os.environ.items()
+               if key not in (SWITCH, "TRITON_INTERPRET", "VLLM_PLUGINS")}
         env |= {"HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}  # the bonus sampler's torch.compile: ~5-30 s
         if setting == "off":
             env[SWITCH] = "0"
+        if setting == "absent":  # vLLM's allow-list without TLT's entry point: as if the package were not installed
+            env["VLLM_PLUGINS"] = "some_other_plugin"
         procs[setting] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), config], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = {}
@@ -319,6 +375,7 @@ def test_with_the_plugin_vllm_samples_the_exact_law():
     run = _runs()["on"]
     rows = _report("on", run)
     assert run["plugin_applied"] is run["bug_present"], run  # applied exactly where the installed vLLM has the bug
+    assert run["check_exact"], run["check_reason"]
     for case, first, second in rows:
         assert "error" not in case, case
         assert case["first"][VOCAB] == 0 and case["second"][VOCAB] == 0, case  # no placeholder or invalid token
@@ -335,8 +392,22 @@ def test_without_the_plugin_the_bug_shows():
         for case, first, second in rows:
             assert first > REJECT and second > REJECT, (case, first, second)
         return
+    assert not run["check_exact"] and f"unset {SWITCH}" in run["check_fix"], run["check_reason"]
     for case, first, second in rows:  # every case: the target logits were divided by uninitialised memory
         assert first < REJECT or second < REJECT, (case, first, second)
+
+
+@pytest.mark.vllm
+def test_without_the_entry_point_the_check_sees_the_bug_and_names_the_install():
+    """vLLM's plugin allow-list leaves TLT's entry point out, as a checkout run without installing the package would:
+    nothing is replaced, the check (what TLT's schedulers read at engine start) says so and how to fix it."""
+    run = _runs()["absent"]
+    rows = _report("absent", run)
+    assert not run["plugin_applied"]
+    if not run["bug_present"]:
+        return
+    assert not run["check_exact"] and "entry point" in run["check_reason"] and "pip install" in run["check_fix"]
+    assert any(first < REJECT or second < REJECT for _, first, second in rows)
 
 
 if __name__ == "__main__":

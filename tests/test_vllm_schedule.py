@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tlt_trainers.vllm.config import ADAPTIVE_SCHEDULER, speculation_schedule
+from tlt_trainers.vllm.config import ADAPTIVE_SCHEDULER, GUARD_SCHEDULER, speculation_schedule
 from tlt_trainers.vllm.schedule import AdaptiveSpeculation, SpeculationSettings
 
 K = 3
@@ -125,15 +125,23 @@ def test_acceptance_is_a_window_of_recent_drafts():
     assert math.isnan(schedule.value(1, K))  # no cost measured yet
 
 
-def test_settings_are_checked_and_the_engine_arguments_built():
+def test_settings_are_checked_and_the_engine_arguments_built(monkeypatch):
+    from tlt_trainers.vllm import config
+
     spec, engine = speculation_schedule("adaptive", 3)
     assert engine["scheduler_cls"] == ADAPTIVE_SCHEDULER
     assert engine["additional_config"]["tlt_speculation"] == {"num_speculative_tokens": 3,
                                                               "max_speculative_batch_size": None}
     assert spec["num_speculative_tokens_per_batch_size"][0] == (1, 32, 3)  # vLLM's dynamic mode, on
+    monkeypatch.setattr(config, "_vllm_on_cpu", lambda: False)
     spec, engine = speculation_schedule("always", 3, 8)
     assert engine == {} and spec["num_speculative_tokens_per_batch_size"] == [(1, 8, 3), (9, 1 << 16, 0)]
     assert speculation_schedule("always", 3) == ({}, {})
+    # vLLM's CPU backend: the guard scheduler, which needs a per-step length (a one-bucket schedule)
+    monkeypatch.setattr(config, "_vllm_on_cpu", lambda: True)
+    spec, engine = speculation_schedule("always", 3)
+    assert engine == {"scheduler_cls": GUARD_SCHEDULER}
+    assert spec["num_speculative_tokens_per_batch_size"] == [(1, 1 << 16, 3)]
     with pytest.raises(ValueError, match="never"):
         speculation_schedule("never", 3)
     with pytest.raises(ValueError, match="one of"):

@@ -154,11 +154,21 @@ def batch_size_schedule(num_speculative_tokens: int, max_speculative_batch_size:
 
 
 ADAPTIVE_SCHEDULER = "tlt_trainers.vllm.scheduler.AdaptiveSpeculationScheduler"
+GUARD_SCHEDULER = "tlt_trainers.vllm.scheduler.SampledSpeculationGuardScheduler"
 # The initial schedule's cut-off when none is set: with an adaptive schedule only CUDA-graph capture reads it (vLLM
 # captures decode graphs for the draft lengths and batch sizes it contains), so it is where speculation is likely to
 # pay on a GPU; the steps' lengths are chosen by the scheduler.
 INITIAL_SPECULATIVE_BATCH_SIZE = 32
 SPECULATION_MODES = ("adaptive", "always", "never")
+
+
+def _vllm_on_cpu() -> bool:
+    """Whether vLLM here runs on its CPU backend (False where vLLM does not import)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # noqa: BLE001 (a broken vLLM install raises more than ImportError)
+        return False
+    return bool(current_platform.is_cpu())
 
 
 def speculation_schedule(speculation: str, num_speculative_tokens: int,
@@ -172,7 +182,9 @@ def speculation_schedule(speculation: str, num_speculative_tokens: int,
       acceptance; ``max_speculative_batch_size`` caps it; ``settings``: other
       :class:`~tlt_trainers.vllm.schedule.SpeculationSettings` fields.
     * ``"always"``: ``num_speculative_tokens`` at every step, or up to ``max_speculative_batch_size`` running requests
-      (vLLM's static schedule).
+      (vLLM's static schedule). On vLLM's CPU backend with TLT's guard
+      (:class:`~tlt_trainers.vllm.scheduler.SampledSpeculationGuardScheduler`): steps with a sampled request stay
+      plain if the engine's speculative sampling fails its check at start.
     * ``"never"``: raises; start the engine without a speculative config instead.
     """
     if speculation not in SPECULATION_MODES:
@@ -181,6 +193,9 @@ def speculation_schedule(speculation: str, num_speculative_tokens: int,
         raise ValueError("speculation='never' runs vLLM without a speculative config; there is no schedule to build.")
     k = int(num_speculative_tokens)
     if speculation == "always":
+        if _vllm_on_cpu():  # the guard needs a per-step length, which vLLM honours only with a schedule
+            schedule = batch_size_schedule(k, max_speculative_batch_size or (1 << 16))
+            return {"num_speculative_tokens_per_batch_size": schedule}, {"scheduler_cls": GUARD_SCHEDULER}
         schedule = batch_size_schedule(k, max_speculative_batch_size)
         return ({"num_speculative_tokens_per_batch_size": schedule} if schedule is not None else {}), {}
     from .schedule import SpeculationSettings

@@ -20,6 +20,12 @@ servers), so the decisions are taken where the steps run:
   the schedule that the weights may have changed; an engine in the trainer's process is told of each drafter
   update directly (:meth:`~tlt_trainers.vllm.sync.VLLMDrafterSync.push`).
 
+Where vLLM's speculative steps would not sample the exact law at T > 0 in the engine's process
+(:func:`tlt_trainers.vllm.cpu_sampling_fix.check`, run when the scheduler starts: vLLM's CPU backend without TLT's
+fix), a step that runs a sampled request drafts nothing: greedy batches still speculate, sampled ones decode plainly,
+and the engine says once why and what fixes it. :class:`SampledSpeculationGuardScheduler` is that guard alone, for
+a fixed draft length (``speculation="always"``) on the CPU backend.
+
 The schedule's changes are logged (``vllm.tlt_trainers``) and kept in ``scheduler.tlt_speculation.decisions``;
 ``tlt_speculation_state()`` (reached in-process through :func:`engine_scheduler`) returns them with the costs.
 """
@@ -36,6 +42,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..rollout.cost_cache import load_costs, make_key, model_shape, save_costs
+from . import cpu_sampling_fix
 from .schedule import AdaptiveSpeculation, SpeculationSettings, engine_scheduler
 
 logger = logging.getLogger("vllm.tlt_trainers")
@@ -63,10 +70,66 @@ def vllm_cost_key(vllm_config) -> dict:
                     enforce_eager=bool(model.enforce_eager))
 
 
-class _AdaptiveSpeculationMixin:
+_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a request below this temperature is greedy
+
+
+def _is_sampled(request) -> bool:
+    params = getattr(request, "sampling_params", None)
+    return params is not None and params.temperature >= _GREEDY_BELOW
+
+
+class _SampledSpeculationGuard:
+    """No drafts in a step that runs a sampled request where this engine's speculative sampling is not exact at
+    T > 0 (module doc). ``tlt_sampling_check`` holds the check; ``tlt_guarded_steps`` counts the steps it kept
+    plain."""
+
+    def _tlt_guard_init(self) -> None:
+        self.tlt_sampling_check = cpu_sampling_fix.check()
+        self.tlt_guarded_steps = 0
+        if not self.tlt_sampling_check.exact:
+            logger.warning("tlt_trainers: %s. Steps with a sampled request (temperature > 0) decode without "
+                           "speculation in this engine; greedy ones still speculate. Fix: %s.",
+                           self.tlt_sampling_check.reason, self.tlt_sampling_check.fix)
+
+    def _tlt_guarded(self, scheduler_output) -> bool:
+        """Whether this step must draft nothing: the check failed and the step runs a sampled request."""
+        if self.tlt_sampling_check.exact:
+            return False
+        if any(_is_sampled(self.requests.get(req)) for req in scheduler_output.num_scheduled_tokens):
+            self.tlt_guarded_steps += 1
+            return True
+        return False
+
+
+class SampledSpeculationGuardScheduler(_SampledSpeculationGuard, Scheduler):
+    """vLLM's Scheduler with a fixed draft length, kept plain at T > 0 where this engine would not sample the exact
+    law (module doc). Needs a ``num_speculative_tokens_per_batch_size`` schedule (vLLM only honours a per-step
+    length with one): :func:`tlt_trainers.vllm.config.speculation_schedule` builds it."""
+
+    def __new__(cls, vllm_config, *args: Any, **kwargs: Any):
+        if cls is SampledSpeculationGuardScheduler and vllm_config.scheduler_config.async_scheduling:
+            return SampledSpeculationGuardAsyncScheduler(vllm_config, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tlt_guard_init()
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        if scheduler_output.num_scheduled_tokens and self._tlt_guarded(scheduler_output):
+            scheduler_output.num_spec_tokens_to_schedule = 0
+        super()._update_after_schedule(scheduler_output)
+
+
+class SampledSpeculationGuardAsyncScheduler(SampledSpeculationGuardScheduler, AsyncScheduler):
+    """:class:`SampledSpeculationGuardScheduler` for vLLM's async scheduling."""
+
+
+class _AdaptiveSpeculationMixin(_SampledSpeculationGuard):
     """The part shared by the synchronous and the async scheduler (see the module doc)."""
 
     def _tlt_init(self) -> None:
+        self._tlt_guard_init()
         spec = self.vllm_config.speculative_config
         if spec is None or self.dynamic_sd_lookup is None:
             raise ValueError("AdaptiveSpeculationScheduler needs a speculative_config with "
@@ -101,7 +164,8 @@ class _AdaptiveSpeculationMixin:
     def _update_after_schedule(self, scheduler_output) -> None:
         batch = len(scheduler_output.num_scheduled_tokens)
         if batch:
-            length = self.tlt_speculation.choose(batch)
+            # a guarded step is plain whatever the schedule says, and leaves the schedule's state alone
+            length = 0 if self._tlt_guarded(scheduler_output) else self.tlt_speculation.choose(batch)
             scheduler_output.num_spec_tokens_to_schedule = length
             verified = max((len(ids) for ids in scheduler_output.scheduled_spec_decode_tokens.values()), default=0)
             pure_decode = scheduler_output.total_num_scheduled_tokens == sum(
@@ -176,7 +240,10 @@ class _AdaptiveSpeculationMixin:
 
     def tlt_speculation_state(self) -> dict:
         """The schedule in force, the acceptance and the costs it rests on, and every change so far."""
-        return {**self.tlt_speculation.state(), "decisions": list(self.tlt_speculation.decisions)}
+        return {**self.tlt_speculation.state(), "decisions": list(self.tlt_speculation.decisions),
+                "sampled_speculation_exact": self.tlt_sampling_check.exact,
+                "sampled_speculation_check": self.tlt_sampling_check.reason,
+                "guarded_steps": self.tlt_guarded_steps}
 
 
 class AdaptiveSpeculationScheduler(_AdaptiveSpeculationMixin, Scheduler):
@@ -201,4 +268,5 @@ class AdaptiveSpeculationAsyncScheduler(_AdaptiveSpeculationMixin, AsyncSchedule
         self._tlt_init()
 
 
-__all__ = ["AdaptiveSpeculationAsyncScheduler", "AdaptiveSpeculationScheduler", "CONFIG_KEY", "engine_scheduler"]
+__all__ = ["AdaptiveSpeculationAsyncScheduler", "AdaptiveSpeculationScheduler", "CONFIG_KEY",
+           "SampledSpeculationGuardAsyncScheduler", "SampledSpeculationGuardScheduler", "engine_scheduler"]
