@@ -203,6 +203,12 @@ class TargetModel:
         reference = self.model(input_ids=ids, use_cache=False).logits.to(torch.float32)
         hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state
         ours = self.logits(hidden)
+        if not torch.isfinite(reference).all():
+            raise ValueError(
+                f"{type(self.model).__name__}: its logits hold NaN or inf on a three-token test input, so no token "
+                "can be drawn from them. Check the checkpoint for NaN weights; in float16 use bfloat16 or float32, "
+                "whose range the activations fit."
+            )
         if not torch.allclose(reference, ours, rtol=1e-3, atol=1e-3 * (1 + reference.abs().max().item())):
             raise ValueError(
                 f"{type(self.model).__name__}: logits from get_decoder() + get_output_embeddings() do not match "

@@ -34,6 +34,19 @@ class GenerationResult:
     stats: GenerationStats
 
 
+class NonFiniteLogitsError(ValueError):
+    """The policy's logits held NaN or inf: no token can be sampled (or chosen greedily) from them."""
+
+    def __init__(self, rows: int, active: int, generated: int):
+        super().__init__(
+            f"The policy's logits hold NaN or inf in {rows} of {active} active rows (after {generated} generated "
+            "tokens): the policy produced them (NaN weights, or activations that overflowed), so no token can be "
+            "drawn from them. model.generate stops the same way when it samples ('probability tensor contains either "
+            "`inf`, `nan` or element < 0'). Check the checkpoint and the last optimizer step for NaN weights; in "
+            "float16 use bfloat16 or float32, whose range the activations fit.")
+        self.rows, self.active, self.generated = rows, active, generated
+
+
 @dataclass
 class StepReport:
     """What :meth:`Rollout._read_report` read back from the device for one step."""
@@ -320,6 +333,7 @@ class Rollout:
             kv_len = rows.kv_bound(tree.num_nodes + 1)
             features, logits = self._policy_pass(tokens, positions, slots, kv_len,
                                                  self._mask_builder(proposal.is_chain, closure, positions, slots))
+            nonfinite = self._nonfinite_rows(logits)
             scores = process_logits(logits, self.params, self._presence_in_tree(tree, closure), self.warpers)
             verdict = verify(proposal, scores, self.params.do_sample, self.generator)
             self._keep_accepted_path(proposal.is_chain, verdict, features, slots)
@@ -332,7 +346,7 @@ class Rollout:
             if verdict.first_acceptance is not None:  # the first draft's accept/reject replaced by its probability
                 gap = verdict.first_acceptance - (accepted > 0).to(verdict.first_acceptance.dtype)
                 expected_gap = torch.where(rows.live, gap, 0).sum()
-            return self._pack_report(emitted, count, finished, counts, expected_gap, tree.num_nodes)
+            return self._pack_report(emitted, count, finished, counts, expected_gap, tree.num_nodes, nonfinite)
 
     def _mask_builder(self, is_chain: bool, closure, positions, slots) -> Callable[[int], torch.Tensor]:
         """``kv_len -> mask`` of the verify pass: causal for a chain, each node's ancestors for a tree."""
@@ -429,12 +443,14 @@ class Rollout:
                                                  lambda kv_len: self.target.attention_mask(rows.state, slots, kv_len))
             rows.state.length.fill_(self.prompt_len)
             self._store_features(features, slots)
-            scores = process_logits(self.target.logits(hidden[:, -1]), self.params, rows.presence, self.warpers)
+            logits = self.target.logits(hidden[:, -1])
+            nonfinite = self._nonfinite_rows(logits[:, None])
+            scores = process_logits(logits, self.params, rows.presence, self.warpers)
             first = verify(Proposal.nothing(rows.size, self.device), scores[:, None], self.params.do_sample,
                            self.generator).next_token
             count, finished = self._commit(first[:, None], torch.zeros_like(first), rows.state.length,
                                            advance=torch.zeros_like(first))
-            self._read_report(self._pack_report(first[:, None], count, finished))
+            self._read_report(self._pack_report(first[:, None], count, finished, nonfinite=nonfinite))
 
     # ------------------------------------------------------------------ commit
     def _commit(self, emitted: torch.Tensor, num_accepted: torch.Tensor, first_slot: torch.Tensor,
@@ -474,15 +490,16 @@ class Rollout:
 
     def _pack_report(self, emitted: torch.Tensor, count: torch.Tensor, finished: torch.Tensor,
                      counts: list[torch.Tensor] = (), expected_gap: torch.Tensor | None = None,
-                     num_nodes: int = 0) -> StepTensors:
+                     num_nodes: int = 0, nonfinite: torch.Tensor | None = None) -> StepTensors:
         """What the host needs of a step, as one tensor: tokens appended, finished rows, the host's bounds for the
         next step (:class:`~tlt_trainers.modeling.rows.ActiveRows`, over live rows), ``counts`` (the step's
         statistics) and, where the host keeps the rows' tokens (rollout history), the ``emitted`` [B, w] tokens
-        and their ``count`` [B]."""
+        and their ``count`` [B]. ``nonfinite``: live rows whose policy logits held NaN or inf this step."""
         rows = self.rows
         live = rows.live
         values = [count.sum(), finished.sum(), torch.where(live, rows.state.length, 0).max(),
-                  torch.where(live, rows.generated, self.max_new).min()]
+                  torch.where(live, rows.generated, self.max_new).min(),
+                  count.new_zeros(()) if nonfinite is None else nonfinite]
         if rows.draft_state is not None:
             values.append(torch.where(live, rows.state.length - rows.draft_state.length, 0).max())
         values += list(counts)
@@ -493,13 +510,20 @@ class Rollout:
             packed = torch.cat([packed.to(torch.float64), expected_gap.to(torch.float64)[None]])
         return StepTensors(packed, emitted, finished, len(counts), expected_gap is not None, num_nodes)
 
+    def _nonfinite_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Live rows whose [B, n, vocab] policy logits hold NaN or inf (on the device, read with the step's report)."""
+        bad = (~torch.isfinite(logits)).flatten(1).any(dim=1)
+        return (bad & self.rows.live[: bad.shape[0]]).sum()
+
     def _read_report(self, step: StepTensors) -> StepReport:
         """The step's one device-to-host read (:meth:`_pack_report`), the host's bookkeeping from it, then the
         retirement of finished rows (one more read, on the steps where rows finish)."""
         rows = self.rows
         host = step.packed.tolist()
-        total, num_finished, rows.max_length, rows.min_generated = (int(v) for v in host[:4])
-        rest = host[4:]
+        total, num_finished, rows.max_length, rows.min_generated, nonfinite = (int(v) for v in host[:5])
+        if nonfinite:
+            raise NonFiniteLogitsError(nonfinite, rows.size, self.stats.generated_tokens)
+        rest = host[5:]
         if rows.draft_state is not None:
             rows.max_behind, rest = int(rest[0]), rest[1:]
         report = StepReport(total, [int(v) for v in rest[: step.num_counts]],
