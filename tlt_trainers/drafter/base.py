@@ -20,12 +20,13 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..modeling.kv_cache import RowKV
 from ..modeling.target import compute_dtype
-from .config import WEIGHTS_NAME, EagleDrafterConfig
+from .config import CONFIG_NAME, WEIGHTS_NAME, EagleDrafterConfig
+from .files import StagedFiles, load_weights, staged_save
 
 EXPORT_LAYOUTS = ("speculators", "vllm", "sglang")
 # The files a drafter of any readable layout is loaded from (what from_pretrained downloads from the Hub).
@@ -198,15 +199,19 @@ class Drafter(nn.Module, ABC):
         ``acceptance``, ...); when given, a README.md model card is written next to the weights.
         """
         path = Path(save_directory)
-        path.mkdir(parents=True, exist_ok=True)
-        self.config.save(path)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_NAME),
-                  metadata={"format": "pt", "architecture": self.config.architecture})
+        with staged_save(path) as files:  # a failed write leaves the previous drafter there intact
+            self.save_files(files)
         if model_card is not None:
             from .model_card import write_model_card
 
             write_model_card(self, path, **model_card)
+
+    def save_files(self, files: StagedFiles) -> None:
+        """Write config.json and the weights into a save in progress (:func:`.files.staged_save`)."""
+        self.config.save_to(files.path(CONFIG_NAME))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(files.path(WEIGHTS_NAME)),
+                  metadata={"format": "pt", "architecture": self.config.architecture})
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target: nn.Module | None = None, **hub_kwargs) -> Drafter:
@@ -250,7 +255,7 @@ class Drafter(nn.Module, ABC):
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} is missing; the drafter at {directory} is incomplete.")
         drafter = kind(config)
-        state = load_file(str(weights))
+        state = load_weights(weights)
         try:
             missing, unexpected = drafter.load_state_dict(state, strict=False)
         except RuntimeError as err:  # a tensor whose shape disagrees with config.json

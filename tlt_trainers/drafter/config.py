@@ -120,7 +120,10 @@ class EagleDrafterConfig:
         return cls(**data)
 
     def save(self, directory: str | Path) -> None:
-        Path(directory, CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        self.save_to(Path(directory, CONFIG_NAME))
+
+    def save_to(self, file: str | Path) -> None:
+        Path(file).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, directory: str | Path) -> EagleDrafterConfig:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from ..kernels.packed_attention import PackedSequences, flash_varlen_available
@@ -34,6 +33,7 @@ from .base import Drafter
 from .block_training import block_loss
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME, EagleDrafterConfig
+from .files import load_weights, staged_save
 from .losses import linear_cross_entropy_sum
 
 TRAINER_STATE = "trainer_state.json"
@@ -539,11 +539,16 @@ class DrafterTrainer:
         """Drafter (weights + draft vocabulary), optimizer and step: everything needed to resume exactly.
         ``model_card``: keyword arguments of ``write_model_card`` for a README.md next to the drafter."""
         path = Path(directory)
-        self.drafter.save_pretrained(path, model_card=model_card)
-        torch.save(self.optimizer.state_dict(), path / OPTIMIZER_STATE)
-        state = {"format": 1, "step": self.step, "lr": self.lr, "unroll_steps": self.unroll_steps,
-                 "drafter_config": self.drafter.config.to_dict()}
-        (path / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        with staged_save(path) as files:  # all or nothing: a failed write leaves the previous checkpoint intact
+            self.drafter.save_files(files)
+            torch.save(self.optimizer.state_dict(), files.path(OPTIMIZER_STATE))
+            state = {"format": 1, "step": self.step, "lr": self.lr, "unroll_steps": self.unroll_steps,
+                     "drafter_config": self.drafter.config.to_dict()}
+            files.path(TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        if model_card is not None:
+            from .model_card import write_model_card
+
+            write_model_card(self.drafter, path, **model_card)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`; any mismatch or corruption is an error."""
@@ -565,11 +570,13 @@ class DrafterTrainer:
                 "resume with the same drafter settings, or load it with Drafter.from_pretrained."
             )
         try:
-            weights = load_file(str(path / WEIGHTS_NAME))
+            weights = load_weights(path / WEIGHTS_NAME)  # names the file and the fix when it is truncated or corrupt
             self.drafter.load_state_dict({k: v.to(self.target.device) for k, v in weights.items()})
             optimizer_state = torch.load(path / OPTIMIZER_STATE, map_location=self.target.device, weights_only=True)
             self.optimizer.load_state_dict(optimizer_state)
         except (FileNotFoundError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
-            raise ValueError(f"The drafter checkpoint at {path} is incomplete or corrupt: {err}") from err
+            raise ValueError(f"The drafter checkpoint at {path} is incomplete or corrupt: {err}. Resume from an "
+                             "earlier checkpoint, or delete its drafter folder to go on with the drafter the run "
+                             "starts with.") from err
         self.drafter._head_cache = None
         self.step = int(state["step"])

@@ -1,0 +1,253 @@
+"""Faults as a user meets them: each one recovers, or stops within seconds with an error naming the cause and the
+fix, and loses nothing (the last complete checkpoint loads, drafter included).
+
+Each fault, what happens, and where it is tested:
+
+- a truncated or corrupt drafter weights file, at load and at resume: a ValueError naming the file and the fix (here);
+- a checkpoint without ``drafter/``: a warning, and training goes on with the drafter it started with
+  (test_trl_trainer.py);
+- a write error (a full disk) during a drafter save: the error says nothing was replaced; the previous drafter and
+  checkpoint load as they were (here);
+- NaN or inf in the policy's logits: ``NonFiniteLogitsError`` naming the cause and the fix, plain and chain, greedy
+  and sampled; a policy that is NaN already is refused when the engine is built (here);
+- an interrupt during a rollout: the engine's next rollout is exact, nothing of the interrupted one is left (here);
+- a rank killed during idle-time drafter training (torchrun, 2 ranks, gloo): torchrun stops the other rank within
+  seconds and names the dead one; the last checkpoint loads, drafter included (here);
+- vLLM's CPU sampling fix failing or absent: the plugin never stops vLLM; sampled steps stay plain and the engine
+  says why (test_vllm_cpu_sampling.py, test_vllm_law.py);
+- a drafter reload into a running vLLM engine that fails half way: the engine goes on with the last good drafter
+  (test_vllm.py).
+
+The disk-full fault is a ``save_file`` / ``torch.save`` that writes part of its file and raises ``OSError(ENOSPC)``
+(a real full disk cannot be made here without root); everything else is real.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import padded_prompts, tiny_model
+
+from tlt_trainers import Drafter, DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.rollout.rollout import NonFiniteLogitsError
+
+SCRIPTS = Path(__file__).parent / "trl_scripts"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def drafter(model):
+    torch.manual_seed(0)
+    return EagleDrafter.from_target(model)
+
+
+def _states_equal(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+
+
+# ------------------------------------------------------------------------------------------ drafter files
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_drafter_file_names_the_file_and_the_fix(model, drafter, tmp_path, damage):
+    drafter.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
+    with pytest.raises(ValueError, match="truncated or corrupt") as error:
+        Drafter.from_pretrained(tmp_path, target=model)
+    assert str(weights) in str(error.value) and "re-save" in str(error.value)
+
+
+def test_a_damaged_drafter_checkpoint_stops_the_resume_with_the_fix(model, drafter, tmp_path):
+    trainer = DrafterTrainer(drafter, model)
+    trainer.save_checkpoint(tmp_path)
+    for name in ("model.safetensors", "optimizer.pt"):
+        damaged = tmp_path / "damaged" / name
+        damaged.parent.mkdir(exist_ok=True)
+        for other in tmp_path.iterdir():
+            if other.is_file():
+                (damaged.parent / other.name).write_bytes(other.read_bytes())
+        damaged.write_bytes(damaged.read_bytes()[:100])
+        with pytest.raises(ValueError, match="incomplete or corrupt.*earlier checkpoint") as error:
+            DrafterTrainer(EagleDrafter.from_target(model), model).load_checkpoint(damaged.parent)
+        assert str(damaged.parent) in str(error.value)
+
+
+def _full_disk(real, fraction=0.5):
+    """``real`` (a writer taking the file as its second argument) that writes part of the file, then fails."""
+    def write(obj, file, *args, **kwargs):
+        real(obj, file, *args, **kwargs)
+        path = Path(file)
+        path.write_bytes(path.read_bytes()[: int(path.stat().st_size * fraction)])
+        raise OSError(errno.ENOSPC, "No space left on device", str(file))
+    return write
+
+
+def test_a_full_disk_during_a_save_leaves_the_previous_drafter_whole(model, drafter, tmp_path, monkeypatch):
+    import tlt_trainers.drafter.base as base
+
+    drafter.save_pretrained(tmp_path)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(1.0)
+    monkeypatch.setattr(base, "save_file", _full_disk(base.save_file))
+    with pytest.raises(OSError, match="No space left") as error:
+        drafter.save_pretrained(tmp_path)
+    assert "Nothing in" in "".join(getattr(error.value, "__notes__", []))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temporary left
+    assert _states_equal(Drafter.from_pretrained(tmp_path, target=model).state_dict(), before)
+
+
+def test_a_full_disk_during_a_checkpoint_leaves_the_previous_checkpoint_whole(model, drafter, tmp_path, monkeypatch):
+    import tlt_trainers.drafter.trainer as trainer_module
+
+    trainer = DrafterTrainer(drafter, model)
+    trainer.save_checkpoint(tmp_path)
+    saved = {k: v.clone() for k, v in drafter.state_dict().items()}
+    trainer.step = 7
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(1.0)
+    monkeypatch.setattr(trainer_module.torch, "save", _full_disk(torch.save))  # the optimizer state, written 2nd
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_checkpoint(tmp_path)
+    monkeypatch.undo()
+    resumed = DrafterTrainer(EagleDrafter.from_target(model), model)
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.step == 0 and _states_equal(resumed.drafter.state_dict(), saved)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ------------------------------------------------------------------------------------------ the rollout
+class NaNAfter:
+    """Makes the policy's final hidden states NaN from its ``calls``-th decoder pass on (0: at once)."""
+
+    def __init__(self, model, calls: int, value: float = float("nan")):
+        self.left, self.value = calls, value
+        self.handle = model.model.norm.register_forward_hook(self)
+
+    def __call__(self, module, args, out):
+        self.left -= 1
+        return out if self.left >= 0 else torch.full_like(out, self.value)
+
+
+@pytest.mark.parametrize("strategy", ["plain", "chain:3"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_logits_stop_the_rollout_with_the_cause(model, drafter, strategy, do_sample, value):
+    config = TLTConfig(speculation="never") if strategy == "plain" else TLTConfig(speculation="always",
+                                                                                   strategy=strategy)
+    engine = SpeculativeGenerator(model, None if strategy == "plain" else drafter, config)
+    ids, mask = padded_prompts([3, 5])
+    hook = NaNAfter(model, 3, value)  # a few steps in: a policy that diverges mid-rollout
+    try:
+        with pytest.raises(NonFiniteLogitsError, match="NaN or inf.*Check the checkpoint") as error:
+            engine.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=do_sample)
+        assert error.value.rows >= 1 and error.value.generated > 0
+    finally:
+        hook.handle.remove()
+
+
+def test_a_policy_with_nan_is_refused_at_construction(model):
+    hook = NaNAfter(model, 0)
+    try:
+        with pytest.raises(ValueError, match="NaN or inf on a three-token test input"):
+            SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+        # where model.generate fails too when it samples (and returns garbage when greedy)
+        ids, mask = padded_prompts([3, 5])
+        with pytest.raises(RuntimeError, match="probability tensor contains"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, pad_token_id=0)
+    finally:
+        hook.handle.remove()
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_an_interrupted_rollout_leaves_the_engine_exact(model, drafter, do_sample):
+    config = TLTConfig(speculation="always", strategy="chain:3")
+    ids, mask = padded_prompts([3, 5, 4])
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=do_sample)
+    reference_engine = SpeculativeGenerator(model, drafter, config)
+    torch.manual_seed(1)
+    reference = reference_engine.generate(ids, **kwargs).sequences
+
+    engine = SpeculativeGenerator(model, drafter, config)
+    calls = [0]
+
+    def interrupt(module, args):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+
+    handle = model.model.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(ids, **kwargs)
+    finally:
+        handle.remove()
+    torch.manual_seed(1)
+    assert torch.equal(engine.generate(ids, **kwargs).sequences, reference)
+
+
+# ------------------------------------------------------------------------------------------ ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_during_idle_training_stops_the_run_and_keeps_the_checkpoint(tmp_path):
+    pytest.importorskip("trl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(SCRIPTS / "dead_rank.py"), str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log[-4000:]
+    killed_at = float((tmp_path / "killed_at").read_text())
+    print(f"\nthe run ended {ended - killed_at:.1f} s after rank 1 was killed")
+    assert ended - killed_at < 60, log[-4000:]  # not a collective timeout (30 minutes)
+    assert "SIGKILL" in log and "rank" in log.lower()  # torchrun names the dead rank and its signal
+    checkpoint = tmp_path / "tlt" / "checkpoint-1"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 1
+    from trl_scripts.common import policy
+
+    resumed = DrafterTrainer(EagleDrafter.from_target(policy()), policy())
+    resumed.load_checkpoint(checkpoint / "drafter")  # the drafter of the last complete checkpoint loads
+    assert resumed.step > 0
+
+
+def test_a_checkpoint_without_its_drafter_resumes_with_a_warning(tmp_path, caplog):
+    pytest.importorskip("trl")
+    import shutil
+
+    from trl_scripts.common import char_tokenizer, grpo_kwargs, length_reward, policy, prompt_dataset
+
+    from tlt_trainers import TLTGRPOConfig, TLTGRPOTrainer
+
+    args = TLTGRPOConfig(**grpo_kwargs(tmp_path / "run", save_strategy="steps", save_steps=1))
+    TLTGRPOTrainer(model=policy(), reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
+                   processing_class=char_tokenizer()).train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    shutil.rmtree(checkpoint / "drafter")  # a checkpoint written by stock GRPOTrainer, or copied without it
+    trainer = TLTGRPOTrainer(model=policy(), reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
+                             processing_class=char_tokenizer())
+    with caplog.at_level("WARNING"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert "holds no drafter" in caplog.text
+    assert trainer.state.global_step == 2 and trainer.drafter_trainer.step > 0  # went on, and trained its drafter
