@@ -253,6 +253,31 @@ def test_a_pushed_drafter_reaches_the_engine(engine):
         ids, again = _run(engine)
         assert ids == engine.reference and again.num_accepted_tokens == untrained.num_accepted_tokens, via
 
+    # A reload that fails half way (the draft model's load_weights raises after half its tensors): the engine goes
+    # on with the last good drafter, the untrained one just pushed, whose greedy drafts are deterministic.
+    draft_class = engine.llm.collective_rpc(lambda worker: type(worker.model_runner.get_draft_model()))[0]
+    real_load = draft_class.load_weights
+
+    failures = [1]  # the next load fails once; putting the last good drafter back then works
+
+    def half_then_fail(self, weights):
+        if not failures:
+            return real_load(self, weights)
+        failures.pop()
+        weights = list(weights)
+        real_load(self, iter(weights[: len(weights) // 2]))
+        raise OSError("connection to the weight store lost")
+
+    draft_class.load_weights = half_then_fail
+    try:
+        with pytest.raises(RuntimeError, match="failed half way.*serves the last drafter pushed again"):
+            sync.push(engine.trained)
+    finally:
+        draft_class.load_weights = real_load
+    ids, after_failure = _run(engine)
+    assert ids == engine.reference and after_failure.num_accepted_tokens == untrained.num_accepted_tokens
+    assert after_failure.num_draft_tokens == untrained.num_draft_tokens
+
     # An EagleDrafter state dict sent as it is: the worker converts it with the export mapping.
     engine.llm.collective_rpc("tlt_reload_drafter", args=(engine.trained.state_dict(),))
     engine.llm.reset_prefix_cache()

@@ -196,15 +196,13 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
     EagleDrafter state dict (converted by the export mapping), either as tensors or as one safetensors blob
     (``safetensors.torch.save``: what crosses vLLM's RPC to worker processes, whose msgpack turns tensors in untyped
     arguments into lists). ``path``: an export folder (or its model.safetensors) instead. Every tensor of the
-    drafter must come, with its shape: a partial reload would leave layers half old. A DFlash drafter's mask
-    embedding is not a checkpoint tensor: vLLM reads it from the served folder's mask_embedding.pt, which
+    drafter must come, with its shape: a partial reload would leave layers half old. A reload that fails half way
+    puts the last good drafter back (the last one pushed, or the served folder's) and raises saying so. A DFlash
+    drafter's mask embedding is not a checkpoint tensor: vLLM reads it from the served folder's mask_embedding.pt, which
     :meth:`~tlt_trainers.vllm.sync.VLLMDrafterSync.push` rewrites first.
     """
     start = time.perf_counter()
     require_vllm()
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
     if (weights is None) == (path is None):
         raise ValueError("Pass exactly one of weights (a state dict) and path (an export folder).")
     if path is not None:
@@ -238,6 +236,35 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
     tensors = [(name, tensor.detach().to(dtype=dtype if tensor.is_floating_point() else tensor.dtype).contiguous())
                for name, tensor in weights.items()]
 
+    try:
+        _load_into(worker, model, spec, tensors)
+    except Exception as err:
+        # Some layers may hold the new weights already: put the last good drafter back whole, so the engine goes on
+        # drafting with it (the target verifies every token either way; a half-loaded drafter only drafts badly).
+        good = getattr(worker, "_tlt_last_good", None)
+        source = "the last drafter pushed"
+        if good is None:
+            from safetensors.torch import load_file
+
+            good = to_vllm_names(load_file(str(Path(spec.model) / WEIGHTS_NAME)), method=spec.method)
+            good = [(name, t.to(dtype=dtype if t.is_floating_point() else t.dtype)) for name, t in good.items()]
+            source = f"the drafter the engine started with ({spec.model})"
+        try:
+            _load_into(worker, model, spec, good)
+        except Exception as again:
+            raise RuntimeError(f"The drafter reload failed ({err!r}) and restoring {source} failed too ({again!r}): "
+                               "this engine's drafter is broken; restart the engine.") from err
+        raise RuntimeError(f"The drafter reload failed half way ({err!r}); the engine serves {source} again. The "
+                           "new weights were not applied: check them (or the engine's log) and push again.") from err
+    worker._tlt_last_good = tensors
+    return {"seconds": time.perf_counter() - start, "tensors": len(tensors)}
+
+
+def _load_into(worker, model, spec, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's layer-by-layer reload of ``tensors`` into the running draft model (module doc)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
     layerwise_logger = logging.getLogger(_LAYERWISE_LOGGER)
     quiet = _DropSharedLayerWarnings()
     layerwise_logger.addFilter(quiet)
@@ -252,7 +279,6 @@ def reload_drafter_weights(worker, weights: dict[str, torch.Tensor] | bytes | No
                 refresh_dflash_context_buffers(model, dict(tensors))
     finally:
         layerwise_logger.removeFilter(quiet)
-    return {"seconds": time.perf_counter() - start, "tensors": len(tensors)}
 
 
 def refresh_dflash_context_buffers(model, weights: dict[str, torch.Tensor]) -> bool:
