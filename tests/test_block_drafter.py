@@ -91,14 +91,25 @@ def test_greedy_repetition_penalty_batch_one_and_adaptive(trained):
     ours, reference = generate_both(model, drafter, ids, mask, BLOCK - 1, max_new_tokens=30)
     assert torch.equal(ours.sequences, reference)
     assert ours.stats.accepted_tokens > 0
+    # Adaptive: costs under which a block pays by construction (a timed table: a pass over a whole block costs
+    # what a plain one does, the drafter almost nothing), so that the selector drafts blocks whatever this machine's
+    # timings; the rows stay in one speculative bucket (6 <= max_speculative_batch_size)
     ids, mask = padded_prompts([3, 9, 5, 1, 7, 2], seed=16)
-    config = TLTConfig(max_speculative_batch_size=2, min_speedup=1.0, cost_cache="off")
-    ours = SpeculativeGenerator(model, drafter, config).generate(ids, attention_mask=mask, do_sample=False,
-                                                                 eos_token_id=EOS, pad_token_id=PAD,
-                                                                 max_new_tokens=24)
+    config = TLTConfig(max_speculative_batch_size=8, min_speedup=1.0, cost_cache="off")
+    engine = SpeculativeGenerator(model, drafter, config)
+    for batch in range(1, 9):
+        for tokens in range(1, BLOCK + 1):
+            engine.cost_profile.verify[(batch, tokens)] = 0.01
+            engine.cost_profile.draft[(batch, tokens)] = 1e-4
+    ours = engine.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+                           max_new_tokens=24)
     reference = model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
                                max_new_tokens=24)
     assert torch.equal(ours.sequences, reference)
+    blocks = [r for r in ours.stats.trace if r.strategy.startswith("block:")]
+    assert ours.stats.trace[0].strategy == f"block:{BLOCK - 1}"  # the whole block first: the best prior
+    assert len(blocks) >= 3 and any(r.emitted > r.batch_size for r in blocks)  # a block step accepted drafts
+    assert 0 < ours.stats.accepted_tokens < ours.stats.draft_tokens
 
 
 def test_engine_pass_computes_what_training_computes(trained):

@@ -158,14 +158,28 @@ def test_costs_are_timed_only_when_asked_in_idle_time_smallest_batch_first():
 def test_the_selector_logs_what_it_tried_and_what_it_measured():
     model = tiny_model("llama", logit_scale=4.0)
     torch.manual_seed(0)
-    engine = _engine(model, EagleDrafter.from_target(model), min_speedup=1.0)
+    drafter = EagleDrafter.from_target(model)
+    cold = _engine(model, drafter, min_speedup=1.0)
+    _generate(cold)
+    first = list(cold.selector(True, 1.0).decisions)[0]
+    assert first["step"] == 1 and first["strategy"] == "none" and first["batch"] == 6  # nothing known: plain first
+    # Costs under which speculation pays by construction (a timed table: a pass over 2 tokens per row costs what one
+    # over 1 does, the drafter almost nothing), so what this run tries does not hang on this machine's timings: the
+    # selector must try chain:1, and log each try with what it measured.
+    engine = _engine(model, drafter, min_speedup=1.0, strategies=("chain:1",), cost_cache="off")
+    for batch in range(1, 7):
+        engine.cost_profile.verify[(batch, 1)] = engine.cost_profile.verify[(batch, 2)] = 0.01
+        engine.cost_profile.draft[(batch, 1)] = 1e-4
     result = _generate(engine)
     decisions = list(engine.selector(True, 1.0).decisions)
-    assert decisions[0]["step"] == 1 and decisions[0]["strategy"] == "none" and decisions[0]["batch"] == 6
+    assert decisions[0]["step"] == 1 and decisions[0]["strategy"] == "chain:1" and decisions[0]["batch"] == 6
     assert all(d["seconds"] > 0 and d["tokens_per_row"] >= 1 for d in decisions)
+    assert all(d["measured_relative_cost"] == pytest.approx(d["seconds"] / 0.01, rel=1e-3, abs=1e-3)
+               for d in decisions)  # against the plain step of the table
     tried = {d["strategy"] for d in decisions} - {"none"}
     used = {name for counts in result.stats.strategies.values() for name in counts} - {"none"}
-    assert tried == used
+    assert tried == used == {"chain:1"}
+    assert result.stats.draft_tokens > 0
 
 
 def test_a_prior_cost_is_replaced_by_the_first_step_that_measures_it():

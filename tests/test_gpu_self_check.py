@@ -7,8 +7,10 @@
   after its check is switched off with exactly one warning, and the rollout equals the torch path's.
 - CUDA graphs (``cuda_graphs="auto"`` on CUDA) compare each graph's first replay with the eager pass on the same
   inputs (``tlt_trainers.rollout.graphs``), EAGLE-3 feature taps included. CPU cannot capture, so the capture is
-  faked (a "graph" whose replay reruns the pass eagerly, or corrupts it, or whose capture raises); the warm-up, the
-  comparison, the fallback and its logging are the real code.
+  faked as a GPU does it: the capture runs nothing (its outputs hold garbage until a replay), and the replay reruns
+  the pass eagerly into them (a faithful graph), or then corrupts the logits or the features, or perturbs them by a
+  known amount, or computes nothing (stale outputs), or the capture raises; the warm-up, the comparison, the
+  fallback and its logging are the real code, so a check that does not replay, or compares the wrong thing, fails.
 """
 
 from __future__ import annotations
@@ -205,23 +207,39 @@ def test_the_chain_check_covers_draft_vocabularies_and_every_branch():
 
 # ------------------------------------------------------------------ CUDA graphs (capture faked on CPU)
 class FakeGraph:
-    """Stands in for a captured CUDA graph: its replay reruns the pass eagerly into the captured outputs (a correct
-    graph), or then corrupts them (a graph that reads or writes the wrong memory)."""
+    """Stands in for a captured CUDA graph. Its capture computed nothing (the outputs hold NaN until a replay, as a
+    real capture leaves its output memory); its replay, by ``behaviour``:
 
-    def __init__(self, runner, static, outputs, corrupt):
-        self.runner, self.static, self.outputs, self.corrupt = runner, static, outputs, corrupt
+    - "correct": reruns the pass eagerly into the captured outputs;
+    - "corrupt" / "corrupt features": then negates the logits / the drafter's features (a graph that reads or
+      writes the wrong memory);
+    - "stale": runs nothing (a graph whose kernels write elsewhere): the outputs keep what the capture left;
+    - ("noise", relative): then adds ``relative * (1 + max |logits|)`` to the logits, so that the check's
+      difference for them is ``relative`` (a reduction order that differs between streams, or more).
+    """
+
+    def __init__(self, runner, static, outputs, behaviour):
+        self.runner, self.static, self.outputs, self.behaviour = runner, static, outputs, behaviour
         self.replays = 0
 
     def replay(self):
         self.replays += 1
+        if self.behaviour == "stale":
+            return
         for out, fresh in zip(self.outputs, self.runner._run(self.static), strict=True):
             out.copy_(fresh)
-        if self.corrupt:
+        if self.behaviour == "corrupt":
             self.outputs[1].mul_(-1.0)
+        elif self.behaviour == "corrupt features":
+            self.outputs[0].mul_(-1.0)
+        elif isinstance(self.behaviour, tuple):
+            logits = self.outputs[1]
+            logits.add_(self.behaviour[1] * (1 + logits.abs().max()))
 
 
 def fake_capture(monkeypatch, behaviour="correct"):
-    """CUDA graphs as on a GPU (cuda_graphs='auto' captures), the capture itself faked. Returns the graphs made."""
+    """CUDA graphs as on a GPU (cuda_graphs='auto' captures), the capture itself faked (see :class:`FakeGraph`;
+    "raises": the capture raises). Returns the graphs made."""
     made = FakeGraphs()
     original = GraphRunner.mode_for
 
@@ -231,14 +249,15 @@ def fake_capture(monkeypatch, behaviour="correct"):
     def record(self, static):
         if behaviour == "raises":
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing (simulated)")
-        outputs = tuple(t.clone() for t in self._run(static))
-        made.append(FakeGraph(self, static, outputs, corrupt=behaviour == "corrupt"))
+        # A capture records the kernels and runs none: outputs of the right shapes, holding garbage until a replay
+        outputs = tuple(torch.full_like(t, float("nan")) for t in self._run(static))
+        made.append(FakeGraph(self, static, outputs, behaviour))
         return made[-1], outputs
 
     def record_step(self, body):
-        """A whole step's graph (tlt_trainers.rollout.step_graphs), faked the correct way: its replay reruns the
-        step into the captured outputs."""
-        result = body()
+        """A whole step's graph (tlt_trainers.rollout.step_graphs), faked the correct way: its capture leaves
+        garbage in the results, its replay reruns the step into them."""
+        result = uncomputed(body())
         made.steps.append(FakeStepGraph(body, result))
         return made.steps[-1], result
 
@@ -256,13 +275,22 @@ class FakeGraphs(list):
         self.steps: list[FakeStepGraph] = []
 
 
+def uncomputed(result):
+    """A step's results as a capture leaves them: what the host reads holds garbage until the first replay."""
+    for tensor in (result.packed, result.emitted, result.finished):
+        tensor.fill_(True if tensor.dtype == torch.bool else -3)
+    return result
+
+
 class FakeStepGraph:
-    def __init__(self, body, result):
-        self.body, self.result = body, result
+    def __init__(self, body, result, stale=False):
+        self.body, self.result, self.stale = body, result, stale
         self.replays = 0
 
     def replay(self):
         self.replays += 1
+        if self.stale:  # computes nothing: the results keep what the capture left
+            return
         fresh = self.body()
         for out, new in ((self.result.packed, fresh.packed), (self.result.emitted, fresh.emitted),
                          (self.result.finished, fresh.finished)):
@@ -317,7 +345,7 @@ def test_graphs_pass_their_self_check_and_replay(monkeypatch, caplog, graph_mode
     assert not tlt_warnings(caplog)
 
 
-@pytest.mark.parametrize("behaviour", ["corrupt", "raises"])
+@pytest.mark.parametrize("behaviour", ["corrupt", "corrupt features", "stale", "raises"])
 @pytest.mark.parametrize("drafter_kind", ["eagle3", "eagle1"])
 def test_a_graph_that_fails_its_self_check_runs_eagerly_with_one_warning(monkeypatch, caplog, graph_models,
                                                                          drafter_kind, behaviour):
@@ -334,10 +362,34 @@ def test_a_graph_that_fails_its_self_check_runs_eagerly_with_one_warning(monkeyp
     assert "CUDA graphs" in message and "eagerly" in message
     assert ("EAGLE-3" in message) == (drafter_kind == "eagle3")
     assert ("RuntimeError" if behaviour == "raises" else "first replay differs") in message
-    assert [c["agrees"] for c in graphs_module.graph_self_checks()] == [False]
+    checks = graphs_module.graph_self_checks()
+    assert [c["agrees"] for c in checks] == [False]
+    if behaviour == "corrupt features":  # the features disagree, the logits do not
+        assert "features, logits: " in message and ", 0;" in message, message
+    # negated outputs: 2 max|x| / (1 + max|x|) of their scale; NaN left by a capture, or an exception: inf
+    difference = checks[0]["difference"]
+    assert (0.1 < difference < 2.0) if behaviour.startswith("corrupt") else difference == float("inf"), checks
 
 
-@pytest.mark.parametrize("behaviour", ["corrupt", "raises"])
+@pytest.mark.parametrize(("relative", "agrees"), [(1e-5, True), (0.05, False)])
+def test_the_graph_check_measures_the_difference_against_its_tolerance(monkeypatch, caplog, graph_models,
+                                                                       relative, agrees):
+    """A first replay off by a known share of the logits' scale: the check reports that share; within the float32
+    tolerance (1e-3: reduction order) the graph is used, 0.05 makes the pass run eagerly with one warning. Either
+    way the rollout equals generate() (a constant added to every logit changes no token)."""
+    model, eagle3, _ = graph_models
+    fake_capture(monkeypatch, ("noise", relative))
+    with caplog.at_level(logging.WARNING):
+        ours, reference, runners = greedy(model, eagle3)
+    assert torch.equal(ours[0], reference)
+    checks = graphs_module.graph_self_checks()
+    assert checks and [c["agrees"] for c in checks] == [agrees] * len(checks), checks
+    assert all(c["difference"] == pytest.approx(relative, rel=0.05) for c in checks), checks
+    assert (runners[0].disabled is None) == agrees
+    assert len(tlt_warnings(caplog)) == (0 if agrees else 1)
+
+
+@pytest.mark.parametrize("behaviour", ["corrupt", "stale", "raises"])
 def test_a_step_graph_that_fails_its_self_check_runs_eagerly_with_one_warning(monkeypatch, caplog, graph_models,
                                                                               behaviour):
     """A whole-step graph whose first replay emits other tokens (or whose capture raises) is dropped with one
@@ -348,15 +400,16 @@ def test_a_step_graph_that_fails_its_self_check_runs_eagerly_with_one_warning(mo
     def broken_step_record(self, body):
         if behaviour == "raises":
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing (simulated)")
-        result = body()
-        graph = FakeStepGraph(body, result)
+        result = uncomputed(body())
+        graph = FakeStepGraph(body, result, stale=behaviour == "stale")
         original_replay = graph.replay
 
         def corrupt_replay():
             original_replay()
             graph.result.emitted.add_(1)
 
-        graph.replay = corrupt_replay
+        if behaviour == "corrupt":
+            graph.replay = corrupt_replay
         return graph, result
 
     monkeypatch.setattr(StepGraphs, "_record", broken_step_record)
