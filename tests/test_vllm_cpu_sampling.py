@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -64,7 +65,9 @@ def vllm_cpu(monkeypatch):
 
     current_platform.import_kernels()
     monkeypatch.setattr(cpu_sampling_fix, "_state", {})
-    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", cpu_triton_utils._expand_kernel_impl)
+    # vLLM's own expand, even where an engine built earlier in this process loaded the plugin
+    original = cpu_sampling_fix._originals.get("expand", cpu_triton_utils._expand_kernel_impl)
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", original)
     monkeypatch.delenv(SWITCH, raising=False)
     return cpu_triton_utils
 
@@ -104,9 +107,14 @@ def test_a_failing_plugin_never_stops_vllm_and_the_check_says_why(vllm_cpu, monk
     def broken():
         raise OSError("source unreadable")
 
-    with monkeypatch.context() as patch, caplog.at_level("ERROR", logger="vllm.tlt_trainers"):
-        patch.setattr(cpu_sampling_fix, "_load_cpu_ops", broken)
-        cpu_sampling_fix.register()  # returns: vLLM's plugin loader would have raised into the engine's start
+    logger = logging.getLogger("vllm.tlt_trainers")  # vLLM's logging stops propagation above "vllm" once set up
+    logger.addHandler(caplog.handler)
+    try:
+        with monkeypatch.context() as patch, caplog.at_level("ERROR", logger="vllm.tlt_trainers"):
+            patch.setattr(cpu_sampling_fix, "_load_cpu_ops", broken)
+            cpu_sampling_fix.register()  # returns: vLLM's plugin loader would have raised into the engine's start
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "failed" in caplog.text and "source unreadable" in caplog.text
     assert vllm_cpu._expand_kernel_impl is not expand_batch_values
     result = cpu_sampling_fix.check()

@@ -91,6 +91,7 @@ class SamplingCheck:
 
 
 _state: dict[str, str] = {}  # what register() did in this process: "replaced", "not_needed", "error", "switched_off"
+_originals: dict[str, Callable[..., None]] = {}  # vLLM's functions register() replaced, by name
 _announced: list[bool] = []
 
 
@@ -161,6 +162,7 @@ def _register() -> None:
         _state["not_needed"] = f"vLLM's {original.__module__}.{original.__qualname__} expands exactly"
         return
     cpu_triton_utils._expand_kernel_impl = expand_batch_values
+    _originals.setdefault("expand", original)
     if not expand_is_exact(expand_batch_values):  # cannot happen unless torch itself misbehaves: say so, undo
         cpu_triton_utils._expand_kernel_impl = original
         raise RuntimeError("the replacement expand failed its own check")
