@@ -134,7 +134,7 @@ def check_kernels(model, drafter, prompts, device, new_tokens) -> dict:
         from tlt_trainers.kernels import verify_triton
     except ImportError as error:
         return {"skipped": f"Triton unavailable: {error}"}
-    from tlt_trainers.sampling import verify as verify_module
+    from tlt_trainers.kernels import fused_verification as verify_module
 
     out = {"checks": [], "timing": []}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -189,7 +189,7 @@ def check_kernel_self_checks(model, drafter, prompts, device, new_tokens) -> lis
     """The Triton kernels as the engine uses them by default on CUDA: their first-use self-check per shape class
     (kept or fallback), the rollout against the torch path's; then a wrong chain kernel injected: it must fall back
     with one warning and sample what the torch path samples."""
-    from tlt_trainers.sampling import verify as verify_module
+    from tlt_trainers.kernels import fused_verification as verify_module
 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return [{"check": "Triton verification kernels", "result": "skipped: no CUDA", "ok": True}]

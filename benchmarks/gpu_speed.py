@@ -38,9 +38,9 @@ from common import print_table, write_results  # noqa: E402
 from gpu_exactness import first_divergences, sampled_law_check  # noqa: E402
 
 from tlt_trainers import BlockDrafter, Eagle3Drafter, SpeculativeGenerator, TLTConfig  # noqa: E402
+from tlt_trainers.kernels.fused_verification import kernel_self_checks  # noqa: E402
 from tlt_trainers.rollout.graphs import graph_self_checks  # noqa: E402
 from tlt_trainers.rollout.step_probe import StepProbe  # noqa: E402
-from tlt_trainers.sampling.verify import kernel_self_checks  # noqa: E402
 
 ARMS = ("generate", "plain", "adaptive", "chain:4", "tree:6x4:16", "block:4", "history:8")
 

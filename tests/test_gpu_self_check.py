@@ -1,7 +1,7 @@
 """The GPU paths check themselves before first use and fall back with one warning: run here on CPU.
 
 - The Triton verification kernels (the default on CUDA with Triton) are compared exactly with the torch path on a
-  small batch per device and shape class before their first launch (``tlt_trainers.sampling.verify``). Here they run
+  small batch per device and shape class before their first launch (``tlt_trainers.kernels.fused_verification``). Here they run
   under Triton's interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), injected where the engine looks them up:
   the check passes and the kernels verify; a kernel that returns wrong tokens, raises at compile/launch, or fails
   after its check is switched off with exactly one warning, and the rollout equals the torch path's.
@@ -25,10 +25,10 @@ from test_engine_greedy import train_drafter
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import Eagle3Drafter, SpeculativeGenerator, TLTConfig
+from tlt_trainers.kernels import fused_verification as verify_module
 from tlt_trainers.rollout import graphs as graphs_module
 from tlt_trainers.rollout.graphs import GraphRunner
 from tlt_trainers.rollout.step_graphs import StepGraphs
-from tlt_trainers.sampling import verify as verify_module
 
 
 def tlt_warnings(caplog) -> list[logging.LogRecord]:

@@ -125,7 +125,7 @@ def test_engine_with_the_fused_kernels_samples_what_the_torch_path_samples(monke
 
     import tlt_trainers.kernels.verify_triton as verify_triton
     from tlt_trainers import SpeculativeGenerator, TLTConfig
-    from tlt_trainers.sampling import verify as verify_module
+    from tlt_trainers.kernels import fused_verification as verify_module
 
     model = tiny_model("llama", logit_scale=4.0)
     drafter = train_drafter(model, steps=60)

@@ -109,9 +109,9 @@ def test_verifier_scores_are_the_models_logits(model, monkeypatch):
     seen = []
     verify = rollout_module.verify
 
-    def spy(proposal, scores, do_sample, generator):
+    def spy(proposal, scores, *args):
         seen.append(scores[:, 0].clone())
-        return verify(proposal, scores, do_sample, generator)
+        return verify(proposal, scores, *args)
 
     monkeypatch.setattr(rollout_module, "verify", spy)
     prompt = torch.tensor([[5, 9, 4, 11]])

@@ -11,8 +11,9 @@ import importlib
 from .config import TLTConfig
 from .drafter import BlockDrafter, Drafter, Eagle3Drafter, EagleDrafter, EagleDrafterConfig
 from .rollout import GenerationResult, GenerationStats, SpeculativeGenerator
+from .rollout.cost_cache import package_version as _package_version
 
-__version__ = "0.1.0"
+__version__ = _package_version()  # from the package metadata: pyproject.toml is the one place it is written
 
 _LAZY = {
     "DrafterTrainer": "tlt_trainers.drafter.trainer",

@@ -73,18 +73,26 @@ def model_shape(config: Any) -> dict[str, Any]:
     return shape
 
 
+def package_version() -> str:
+    """tlt-trainers' installed version, from the package metadata ("unknown" for a checkout run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tlt-trainers")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def make_key(engine: str, device: torch.device, dtype: Any, policy: dict, drafter: dict | None,
              **extra: Any) -> dict[str, Any]:
     """A cache key: the engine (``tlt`` or ``vllm``), the device and its name, a CPU's threads, the dtype, the policy
     and drafter as dicts of what sets their cost, anything else that does (``extra``), and the library versions."""
     import transformers
 
-    from .. import __version__
-
     key = {"format": FORMAT, "engine": engine, "device": device.type, "device_name": device_name(device),
            "threads": torch.get_num_threads() if device.type == "cpu" else None, "dtype": str(dtype),
            "policy": policy, "drafter": drafter, "torch": torch.__version__, "transformers": transformers.__version__,
-           "tlt_trainers": __version__, **extra}
+           "tlt_trainers": package_version(), **extra}
     return json.loads(json.dumps(key, default=str))
 
 

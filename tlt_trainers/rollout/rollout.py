@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.fused_verification import fused_verification
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowState, WritePlan
 from ..modeling.rows import ActiveRows
@@ -335,7 +336,8 @@ class Rollout:
                                                  self._mask_builder(proposal.is_chain, closure, positions, slots))
             nonfinite = self._nonfinite_rows(logits)
             scores = process_logits(logits, self.params, self._presence_in_tree(tree, closure), self.warpers)
-            verdict = verify(proposal, scores, self.params.do_sample, self.generator)
+            verdict = verify(proposal, scores, self.params.do_sample, self.generator,
+                             fused_verification(scores.device))
             self._keep_accepted_path(proposal.is_chain, verdict, features, slots)
             emitted = verdict.emitted(tree)
             count, finished = self._commit(emitted, verdict.num_accepted, length + 1,
