@@ -37,6 +37,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from .. import metric_names as metric
 from ..drafter.base import Drafter
 from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import TRAINER_STATE
@@ -476,13 +477,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         sums = self.accelerator.gather(sums.unsqueeze(0)).sum(dim=0)
         maxima = self.accelerator.gather(maxima.unsqueeze(0)).max(dim=0).values
         metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["tlt/rollout_logp_diff_mean"].append(_ratio(sums[0].item(), sums[1].item()))
-        metrics["tlt/rollout_logp_diff_max"].append(maxima[0].item())
-        metrics["tlt/rollout_seq_logp_diff_max"].append(maxima[1].item())
-        metrics["tlt/rollout_is_outside_clip_fraction"].append(_ratio(sums[2].item(), sums[3].item()))
+        metrics[metric.ROLLOUT_LOGP_DIFF_MEAN].append(_ratio(sums[0].item(), sums[1].item()))
+        metrics[metric.ROLLOUT_LOGP_DIFF_MAX].append(maxima[0].item())
+        metrics[metric.ROLLOUT_SEQ_LOGP_DIFF_MAX].append(maxima[1].item())
+        metrics[metric.ROLLOUT_IS_OUTSIDE_CLIP_FRACTION].append(_ratio(sums[2].item(), sums[3].item()))
         dtypes = getattr(self, "_tlt_vllm_dtypes", None)
         if dtypes is not None:
-            metrics["tlt/rollout_dtype_matches_policy"].append(float(dtypes[0] == dtypes[1]))
+            metrics[metric.ROLLOUT_DTYPE_MATCHES_POLICY].append(float(dtypes[0] == dtypes[1]))
 
     def _generate_and_score_completions(self, *args, **kwargs):
         output = super()._generate_and_score_completions(*args, **kwargs)
@@ -557,20 +558,20 @@ class TLTGRPOTrainer(GRPOTrainer):
         column = {name: table[:, COLUMN[name]] for name in STAT_FIELDS}
         idle = column["train_seconds"].sum().item() if ranks.distributed else 0.0
         metrics = self._metrics["train"]
-        metrics["tlt/rollout_seconds"].append(column["rollout_seconds"].max().item())
-        metrics["tlt/drafter_idle_seconds"].append(idle)
-        metrics["tlt/idle_seconds"].append(
+        metrics[metric.ROLLOUT_SECONDS].append(column["rollout_seconds"].max().item())
+        metrics[metric.DRAFTER_IDLE_SECONDS].append(idle)
+        metrics[metric.IDLE_SECONDS].append(
             (column["rollout_seconds"].max() - column["rollout_seconds"]).sum().item())
-        metrics["tlt/drafter_update_seconds"].append(column["train_seconds"].max().item())
-        metrics["tlt/drafter_steps"].append(column["steps"][src].item())
-        metrics["tlt/drafter_loss"].append(column["loss"][src].item())
-        metrics["tlt/drafter_top1"].append(column["top1"][src].item())
-        metrics["tlt/drafter_sync_seconds"].append(sync_seconds)
+        metrics[metric.DRAFTER_UPDATE_SECONDS].append(column["train_seconds"].max().item())
+        metrics[metric.DRAFTER_STEPS].append(column["steps"][src].item())
+        metrics[metric.DRAFTER_LOSS].append(column["loss"][src].item())
+        metrics[metric.DRAFTER_TOP1].append(column["top1"][src].item())
+        metrics[metric.DRAFTER_SYNC_SECONDS].append(sync_seconds)
         if ranks.distributed:  # batch sizes whose passes this rank timed in its idle time (once each; then cached)
-            metrics["tlt/cost_batch_sizes_timed"].append(float(len(costs_timed)))
+            metrics[metric.COST_BATCH_SIZES_TIMED].append(float(len(costs_timed)))
         if self._tlt_vllm_sync is not None:
-            metrics["tlt/drafter_updates_loaded"].append(float(self._tlt_vllm_pushes))
-            metrics["tlt/drafter_push_seconds"].append(push_seconds)
+            metrics[metric.DRAFTER_UPDATES_LOADED].append(float(self._tlt_vllm_pushes))
+            metrics[metric.DRAFTER_PUSH_SECONDS].append(push_seconds)
         if self._tlt_vllm_scheduler is not None:
             self._tlt_log_vllm_schedule(metrics)
 
@@ -605,11 +606,12 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _tlt_log_generation(self, mode: str, counters: dict) -> None:
         metrics = self._metrics[mode]
-        metrics["tlt/acceptance_length"].append(_ratio(counters["emitted_tokens"], counters["row_forwards"]))
-        metrics["tlt/draft_tokens"].append(float(counters["draft_tokens"]))
-        metrics["tlt/accepted_tokens"].append(float(counters["accepted_tokens"]))
-        metrics["tlt/speculative_step_fraction"].append(_ratio(counters["speculative_steps"], counters["decode_steps"]))
-        metrics["tlt/history_proposed_tokens"].append(float(counters["history_proposed"]))
+        metrics[metric.ACCEPTANCE_LENGTH].append(_ratio(counters["emitted_tokens"], counters["row_forwards"]))
+        metrics[metric.DRAFT_TOKENS].append(float(counters["draft_tokens"]))
+        metrics[metric.ACCEPTED_TOKENS].append(float(counters["accepted_tokens"]))
+        metrics[metric.SPECULATIVE_STEP_FRACTION].append(_ratio(counters["speculative_steps"],
+                                                                counters["decode_steps"]))
+        metrics[metric.HISTORY_PROPOSED_TOKENS].append(float(counters["history_proposed"]))
 
     def _tlt_log_vllm_schedule(self, metrics) -> None:
         """The adaptive vLLM schedule in force after this rollout: draft length per batch bucket
@@ -617,11 +619,11 @@ class TLTGRPOTrainer(GRPOTrainer):
         drafted (vLLM's log has every change, with what it was decided on)."""
         state = self._tlt_vllm_scheduler.tlt_speculation_state()
         for bucket, length in state["schedule"].items():
-            metrics[f"tlt/vllm_draft_length_b{bucket}"].append(float(length))
-        metrics["tlt/vllm_expected_tokens_per_step"].append(float(state["expected_tokens"]))
+            metrics[metric.vllm_draft_length(bucket)].append(float(length))
+        metrics[metric.VLLM_EXPECTED_TOKENS_PER_STEP].append(float(state["expected_tokens"]))
         steps, speculative = state["steps"], state["speculative_steps"]
         last_steps, last_speculative = getattr(self, "_tlt_vllm_schedule_seen", (0, 0))
-        metrics["tlt/vllm_speculative_step_fraction"].append(
+        metrics[metric.VLLM_SPECULATIVE_STEP_FRACTION].append(
             _ratio(speculative - last_speculative, steps - last_steps))
         self._tlt_vllm_schedule_seen = (steps, speculative)
 

@@ -23,6 +23,7 @@ from verl.protocol import DataProto
 from verl.utils.ray_utils import auto_await
 from verl.utils.skip import SkipManager
 
+from .. import metric_names as metric
 from .replica import server_name
 from .settings import TLTSection
 
@@ -143,25 +144,25 @@ class TLTAgentLoopManager(AgentLoopManager):
 
         rows = total("row_forwards")
         return {
-            "tlt/acceptance_length": total("emitted_tokens") / rows if rows else float("nan"),
-            "tlt/speculative_step_fraction": total("speculative_steps") / max(total("decode_steps"), 1.0),
-            "tlt/history_proposed_tokens": total("history_proposed"),
-            "tlt/rollout_seconds": rollout_seconds,
+            metric.ACCEPTANCE_LENGTH: total("emitted_tokens") / rows if rows else float("nan"),
+            metric.SPECULATIVE_STEP_FRACTION: total("speculative_steps") / max(total("decode_steps"), 1.0),
+            metric.HISTORY_PROPOSED_TOKENS: total("history_proposed"),
+            metric.ROLLOUT_SECONDS: rollout_seconds,
             # worker-seconds spent waiting for the slowest agent-loop worker: the time TLT trains in
-            "tlt/idle_seconds": float(sum(max(finished_workers) - t for t in finished_workers)) if finished_workers
+            metric.IDLE_SECONDS: float(sum(max(finished_workers) - t for t in finished_workers)) if finished_workers
             else 0.0,
-            "tlt/drafter_idle_seconds": float(sum(r.get("seconds", 0.0) for r in idle_results.values())),
-            "tlt/drafter_update_seconds": post_seconds,
-            "tlt/drafter_steps": float(sum(r.get("steps", 0) for r in results.values())),
-            "tlt/drafter_loss": mean_of("loss"),
-            "tlt/drafter_top1": mean_of("top1"),
-            "tlt/drafter_sync_seconds": sync_seconds,
-            "tlt/drafter_trigger_idle": 1.0 if trigger == "idle" and merged is not None else 0.0,
-            "tlt/drafter_total_steps": float(merged["total_steps"] if merged is not None
+            metric.DRAFTER_IDLE_SECONDS: float(sum(r.get("seconds", 0.0) for r in idle_results.values())),
+            metric.DRAFTER_UPDATE_SECONDS: post_seconds,
+            metric.DRAFTER_STEPS: float(sum(r.get("steps", 0) for r in results.values())),
+            metric.DRAFTER_LOSS: mean_of("loss"),
+            metric.DRAFTER_TOP1: mean_of("top1"),
+            metric.DRAFTER_SYNC_SECONDS: sync_seconds,
+            metric.DRAFTER_TRIGGER_IDLE: 1.0 if trigger == "idle" and merged is not None else 0.0,
+            metric.DRAFTER_TOTAL_STEPS: float(merged["total_steps"] if merged is not None
                                              else max((s.get("drafter_total_steps", 0) for s in stats), default=0)),
-            "tlt/history_bytes": total("history_bytes"),
+            metric.HISTORY_BYTES: total("history_bytes"),
             # batch sizes whose passes idle replicas timed for the adaptive engine (once each; then cached)
-            "tlt/cost_batch_sizes_timed": float(sum(len(r.get("costs_timed", ())) for r in idle_results.values())),
+            metric.COST_BATCH_SIZES_TIMED: float(sum(len(r.get("costs_timed", ())) for r in idle_results.values())),
         }
 
     def pop_metrics(self) -> dict[str, float]:

@@ -26,6 +26,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
+from .. import metric_names as metric
 from .manager import TLTAgentLoopManager, find_servers
 from .replica import BACKEND, register
 from .settings import TLTSection
@@ -121,7 +122,7 @@ class TLTPPOTrainer(RayPPOTrainer):
         manager, tlt = self.checkpoint_manager, self.tlt
         rollout_seconds = time.perf_counter() - manager.last_sync_end if manager.last_sync_end else 0.0
         if not drafter_trains(tlt):
-            self._tlt_drafter_metrics = {"tlt/rollout_seconds": rollout_seconds, "tlt/drafter_steps": 0.0}
+            self._tlt_drafter_metrics = {metric.ROLLOUT_SECONDS: rollout_seconds, metric.DRAFTER_STEPS: 0.0}
             return
         budget = min(tlt.drafter_update_seconds, tlt.drafter_update_fraction * rollout_seconds)
         start = time.perf_counter()
@@ -129,25 +130,25 @@ class TLTPPOTrainer(RayPPOTrainer):
         result = next((r for r in results if r), {})
         nan = float("nan")
         self._tlt_drafter_metrics = {
-            "tlt/rollout_seconds": rollout_seconds,
-            "tlt/drafter_update_seconds": time.perf_counter() - start,
-            "tlt/drafter_steps": float(result.get("steps", 0)),
-            "tlt/drafter_loss": float(result.get("loss", nan)),
-            "tlt/drafter_top1": float(result.get("top1", nan)),
-            "tlt/drafter_total_steps": float(result.get("total_steps", 0)),
-            "tlt/drafter_buffer_sequences": float(result.get("buffer_sequences", 0)),
+            metric.ROLLOUT_SECONDS: rollout_seconds,
+            metric.DRAFTER_UPDATE_SECONDS: time.perf_counter() - start,
+            metric.DRAFTER_STEPS: float(result.get("steps", 0)),
+            metric.DRAFTER_LOSS: float(result.get("loss", nan)),
+            metric.DRAFTER_TOP1: float(result.get("top1", nan)),
+            metric.DRAFTER_TOTAL_STEPS: float(result.get("total_steps", 0)),
+            metric.DRAFTER_BUFFER_SEQUENCES: float(result.get("buffer_sequences", 0)),
         }
 
     def _vllm_metrics(self) -> dict[str, float]:
         manager = self.checkpoint_manager
         metrics, self._tlt_drafter_metrics = self._tlt_drafter_metrics, {}
-        metrics.update({"tlt/speculating": float(manager.speculating), "tlt/drafter_pushes": float(manager.pushes),
-                        "tlt/drafter_push_seconds": manager.last_push_seconds})
+        metrics.update({metric.SPECULATING: float(manager.speculating), metric.DRAFTER_PUSHES: float(manager.pushes),
+                        metric.DRAFTER_PUSH_SECONDS: manager.last_push_seconds})
         counters = manager.spec_decode_counters() if manager.speculating else None
         if counters is not None:  # this step's rollout (and any validation since the last step)
-            metrics.update({"tlt/acceptance_length": counters.acceptance_length,
-                            "tlt/draft_tokens": float(counters.num_draft_tokens),
-                            "tlt/accepted_tokens": float(counters.num_accepted_tokens)})
+            metrics.update({metric.ACCEPTANCE_LENGTH: counters.acceptance_length,
+                            metric.DRAFT_TOKENS: float(counters.num_draft_tokens),
+                            metric.ACCEPTED_TOKENS: float(counters.num_accepted_tokens)})
         return metrics
 
     # ---------------------------------------------------------------- metrics
