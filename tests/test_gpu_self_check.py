@@ -1,10 +1,11 @@
 """The GPU paths check themselves before first use and fall back with one warning: run here on CPU.
 
 - The Triton verification kernels (the default on CUDA with Triton) are compared exactly with the torch path on a
-  small batch per device and shape class before their first launch (``tlt_trainers.kernels.fused_verification``). Here they run
-  under Triton's interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), injected where the engine looks them up:
-  the check passes and the kernels verify; a kernel that returns wrong tokens, raises at compile/launch, or fails
-  after its check is switched off with exactly one warning, and the rollout equals the torch path's.
+  small batch per device and shape class before their first launch (``tlt_trainers.kernels.fused_verification``).
+  Here they run under Triton's interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), injected where the engine
+  looks them up: the check passes and the kernels verify; a kernel that returns wrong tokens, raises at
+  compile/launch, or fails after its check is switched off with exactly one warning, and the rollout equals the
+  torch path's.
 - CUDA graphs (``cuda_graphs="auto"`` on CUDA) compare each graph's first replay with the eager pass on the same
   inputs (``tlt_trainers.rollout.graphs``), EAGLE-3 feature taps included. CPU cannot capture, so the capture is
   faked as a GPU does it: the capture runs nothing (its outputs hold garbage until a replay), and the replay reruns
