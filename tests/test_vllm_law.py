@@ -94,6 +94,27 @@ def test_the_guard_keeps_only_steps_with_a_sampled_request_plain():
     assert not guard._tlt_guarded(step("greedy", "sampled"))
 
 
+def test_the_guard_says_once_why_and_the_fix(monkeypatch, caplog):
+    pytest.importorskip("vllm")
+    import logging
+
+    from tlt_trainers.vllm import cpu_sampling_fix
+    from tlt_trainers.vllm.scheduler import _SampledSpeculationGuard
+
+    failed = cpu_sampling_fix.SamplingCheck(False, "vLLM's CPU expand divides by wrong temperatures", "unset X")
+    monkeypatch.setattr(cpu_sampling_fix, "check", lambda: failed)
+    logger = logging.getLogger("vllm.tlt_trainers")  # vLLM's logging stops propagation above "vllm" once set up
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="vllm.tlt_trainers"):
+            _SampledSpeculationGuard()._tlt_guard_init()
+    finally:
+        logger.removeHandler(caplog.handler)
+    messages = {r.getMessage() for r in caplog.records}  # (a record may reach caplog's handler twice: ours, root's)
+    assert len(messages) == 1 and "decode without speculation" in messages.pop()
+    assert "wrong temperatures" in caplog.text and "Fix: unset X" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------ the engines
 def _sample_in_this_process(config: dict) -> dict:
     """The subprocess: a real engine with the shipped drafter and TLT's scheduler; sampled and greedy outputs, the
@@ -140,6 +161,7 @@ def _sample_in_this_process(config: dict) -> dict:
             "greedy": [list(o.outputs[0].token_ids) for o in greedy],
             "drafts_sampled": after_sampled, "drafts_greedy": after_greedy,
             "check_exact": scheduler.tlt_sampling_check.exact, "check_reason": scheduler.tlt_sampling_check.reason,
+            "check_fix": scheduler.tlt_sampling_check.fix,
             "guarded_steps": scheduler.tlt_guarded_steps,
             "decisions": len(state.get("decisions", ())), "scheduler": type(scheduler).__name__}
 
@@ -203,7 +225,7 @@ def test_without_the_fix_sampled_steps_stay_plain_and_exact():
           f"T={TEMPERATURE}: {run['drafts_sampled']}, greedy: {run['drafts_greedy']}")
     assert run["scheduler"].startswith("SampledSpeculationGuard")
     assert not run["check_exact"] and "TLT_VLLM_CPU_SAMPLING_FIX=0" in run["check_reason"]
-    assert "decode without speculation" in run["log"] and "unset TLT_VLLM_CPU_SAMPLING_FIX" in run["log"]
+    assert "unset TLT_VLLM_CPU_SAMPLING_FIX" in run["check_fix"]  # what the engine's warning names (tested above)
     assert run["drafts_sampled"]["num_draft_tokens"] == 0 and run["guarded_steps"] > 0
     assert run["drafts_greedy"]["num_accepted_tokens"] > 0  # greedy requests still speculate
     assert p > REJECT, (p, n)
