@@ -31,7 +31,8 @@ from tlt_trainers import Drafter, DrafterTrainer, SpeculativeGenerator, TLTConfi
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.settings import DrafterSettings  # noqa: E402
 from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
-from tlt_trainers.warmup import chat_prompt, measure_acceptance  # noqa: E402
+from tlt_trainers.shipped.prompts import chat_prompt  # noqa: E402
+from tlt_trainers.warmup import measure_acceptance  # noqa: E402
 
 TASK = "basic_arithmetic"
 TEMPERATURES = (("greedy", 0.0), ("t1.0", 1.0))

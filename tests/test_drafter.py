@@ -530,7 +530,7 @@ def test_from_pretrained_downloads_a_repo_id(tmp_path, monkeypatch, model):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     loaded = EagleDrafter.from_pretrained("someone/tiny-drafter", target=model, revision="v1")
-    from tlt_trainers.drafter.base import DRAFTER_FILES
+    from tlt_trainers.drafter.hub import DRAFTER_FILES
 
     assert requested == [("someone/tiny-drafter", {"revision": "v1", "allow_patterns": list(DRAFTER_FILES)})]
     assert_same_tensors(loaded, snapshot(drafter))

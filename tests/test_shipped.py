@@ -11,7 +11,7 @@ from tiny_models import tiny_model
 
 import tlt_trainers.shipped as shipped
 from tlt_trainers import BlockDrafter, Eagle3Drafter, EagleDrafter
-from tlt_trainers.drafter.setup import rollout_drafter
+from tlt_trainers.kinds.setup import rollout_drafter
 from tlt_trainers.settings import DrafterSettings
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import kinds  # noqa: F401  (registers the built-in drafter kinds)
 from .config import TLTConfig
 from .drafter import BlockDrafter, Drafter, Eagle3Drafter, EagleDrafter, EagleDrafterConfig
 from .rollout import GenerationResult, GenerationStats, SpeculativeGenerator

@@ -48,7 +48,7 @@ def _prompts(args, tokenizer, count: int, seed: int) -> list[str]:
 
 
 def warmup_command(args) -> int:
-    from .drafter.setup import draft_vocab_size
+    from .kinds.setup import draft_vocab_size
     from .pretrained import load_model
     from .warmup import warmup_drafter
 

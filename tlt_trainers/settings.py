@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import TLTConfig
+from .drafter.registry import kind_names
 
-DRAFTER_ARCHITECTURES = ("auto", "eagle3", "eagle", "block")
 
 @dataclass
 class DrafterSettings:
@@ -138,9 +138,9 @@ class DrafterSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.drafter_architecture not in DRAFTER_ARCHITECTURES:
+        if self.drafter_architecture != "auto" and self.drafter_architecture not in kind_names():
             raise ValueError(f"drafter_architecture={self.drafter_architecture!r}: choose one of "
-                             f"{DRAFTER_ARCHITECTURES}.")
+                             f"{('auto', *kind_names())}.")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be None (automatic), 0 (the full "
                              "vocabulary) or a positive size.")

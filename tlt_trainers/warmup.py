@@ -15,9 +15,10 @@ from torch import nn
 
 from .config import TLTConfig
 from .drafter.base import Drafter
-from .drafter.setup import drafter_class
 from .drafter.trainer import DrafterTrainer
+from .kinds.setup import drafter_class
 from .rollout.generator import SpeculativeGenerator
+from .shipped.prompts import chat_prompt
 
 
 @dataclass
@@ -62,13 +63,6 @@ def dataset_prompts(tokenizer, name_or_path: str, count: int, column: str = "pro
         else:
             prompts.append(chat_prompt(tokenizer, str(value)))
     return prompts
-
-
-def chat_prompt(tokenizer, text: str) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return text
 
 
 def _special_tokens(tokenizer, model) -> tuple[int | list[int] | None, int]:

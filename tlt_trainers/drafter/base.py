@@ -15,7 +15,6 @@ parameter of the drafter), the draft vocabulary, and save/load/push, which dispa
 from __future__ import annotations
 
 import os
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -27,11 +26,10 @@ from ..modeling.kv_cache import RowKV
 from ..modeling.target import compute_dtype
 from .config import CONFIG_NAME, WEIGHTS_NAME, EagleDrafterConfig
 from .files import StagedFiles, load_weights, staged_save
+from .hub import download_drafter, push_drafter
+from .registry import is_registered, kind_of, read_other_layout
 
-EXPORT_LAYOUTS = ("speculators", "vllm", "sglang")
-# The files a drafter of any readable layout is loaded from (what from_pretrained downloads from the Hub).
-DRAFTER_FILES = ("config.json", "README.md", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
-                 "pytorch_model.bin.index.json", "hot_token_map.pt")
+EXPORT_LAYOUTS = ("speculators", "vllm", "sglang")  # the built-in kinds' (each kind's record has its own)
 
 
 class _TargetModules:
@@ -45,13 +43,11 @@ def _is_own_layout(directory: Path) -> bool:
     """Whether ``directory`` holds a drafter saved by this package (else another tool's layout, or nothing)."""
     import json
 
-    from .config import ARCHITECTURES, CONFIG_NAME
-
-    try:  # our configs name an architecture of ARCHITECTURES and a format_version
+    try:  # our configs name a registered architecture and a format_version
         data = json.loads(Path(directory, CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return True  # missing or broken: EagleDrafterConfig.load says what is wrong
-    return not isinstance(data, dict) or data.get("architecture") in ARCHITECTURES or "format_version" in data
+    return not isinstance(data, dict) or is_registered(str(data.get("architecture"))) or "format_version" in data
 
 
 class Drafter(nn.Module, ABC):
@@ -63,11 +59,10 @@ class Drafter(nn.Module, ABC):
 
     config: EagleDrafterConfig
     d2t: torch.Tensor | None
-    _classes: dict[str, type[Drafter]] = {}
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        Drafter._classes[cls.__name__] = cls
+    @classmethod
+    def check_config(cls, config: EagleDrafterConfig) -> None:
+        """Refuse a config this kind cannot be built from (called when the config is made); none by default."""
 
     def __init__(self, config: EagleDrafterConfig):
         super().__init__()
@@ -108,9 +103,9 @@ class Drafter(nn.Module, ABC):
 
     @property
     def drafts_blocks(self) -> bool:
-        """Whether one pass drafts a whole block (:class:`~tlt_trainers.drafter.block.BlockDrafter`: strategies
-        ``block:K``) rather than one token (EAGLE: ``chain:K`` and trees)."""
-        return False
+        """Whether one pass drafts a whole block (its kind proposes ``block:K``, as
+        :class:`~tlt_trainers.drafter.block.BlockDrafter` does) rather than one token (``chain:K`` and trees)."""
+        return kind_of(self).drafts_blocks
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> the policy's token ids."""
@@ -230,24 +225,18 @@ class Drafter(nn.Module, ABC):
                     f"No drafter directory at {text}; pass a folder written by save_pretrained "
                     "or a Hub repo id ('namespace/name')."
                 )
-            from huggingface_hub import snapshot_download
-
-            # Only what a drafter is read from: public drafter repos often also hold training states.
-            hub_kwargs.setdefault("allow_patterns", list(DRAFTER_FILES))
-            directory = Path(snapshot_download(str(path), **hub_kwargs))
+            directory = download_drafter(str(path), **hub_kwargs)
         if not _is_own_layout(directory):
             if target is None:
                 raise ValueError(f"The drafter at {path} is in another tool's layout; pass target=policy so that it "
                                  "can be converted and checked against the policy.")
-            from .layouts import load_drafter
-
-            drafter = load_drafter(directory, target)
+            drafter = read_other_layout(directory, target)
             if not isinstance(drafter, cls):
                 raise ValueError(f"The drafter at {path} is an {type(drafter).__name__} and {cls.__name__}."
                                  "from_pretrained loads only its own kind: load it with Drafter.from_pretrained.")
             return drafter
         config = EagleDrafterConfig.load(directory)
-        kind = Drafter._classes[config.architecture]
+        kind = kind_of(config.architecture).drafter_class
         if not issubclass(kind, cls):
             raise ValueError(f"The drafter at {directory} is an {config.architecture} and {cls.__name__}."
                              "from_pretrained loads only its own kind: load it with Drafter.from_pretrained.")
@@ -270,30 +259,12 @@ class Drafter(nn.Module, ABC):
         return drafter
 
     def export(self, out_dir: str | os.PathLike, layout: str, verifier_name_or_path=None, **export_kwargs) -> Path:
-        """Write this drafter in ``layout`` (see :data:`EXPORT_LAYOUTS`): 'speculators' / 'vllm' is what vLLM serves
-        from the folder or its Hub id (EAGLE-3: the speculators layout; EAGLE-1: vLLM's ``eagle`` layout, and
-        'speculators' the speculators library's EAGLE-1, which vLLM does not serve), 'sglang' what SGLang serves.
+        """Write this drafter in ``layout``, one of its kind's export layouts (:data:`EXPORT_LAYOUTS` for the built-in
+        kinds): 'speculators' / 'vllm' is what vLLM serves from the folder or its Hub id (EAGLE-3: the speculators
+        layout; EAGLE-1: vLLM's ``eagle`` layout, and 'speculators' the speculators library's EAGLE-1, which vLLM does
+        not serve; a block drafter: vLLM's DFlash layout), 'sglang' what SGLang serves.
         ``export_kwargs`` go to the exporter (``num_speculative_tokens``, ``full_vocab_head``, ``dtype``, ...)."""
-        if layout not in EXPORT_LAYOUTS:
-            raise ValueError(f"layout={layout!r}: choose one of {EXPORT_LAYOUTS} ('tlt' is save_pretrained).")
-        if self.drafts_blocks:
-            from .export_block import export_block_vllm
-
-            if layout == "sglang":
-                raise ValueError("A BlockDrafter exports to vLLM's DFlash layout: pass layout='vllm' (SGLang's DFlash "
-                                 "loader reads the same folder).")
-            return export_block_vllm(self, out_dir, verifier_name_or_path, **export_kwargs)
-        from .export import export_sglang, export_vllm
-        from .export_eagle3 import export_eagle3_sglang, export_eagle3_vllm
-
-        eagle3 = self.config.architecture == "Eagle3Drafter"
-        if layout == "sglang":
-            return (export_eagle3_sglang if eagle3 else export_sglang)(self, out_dir, verifier_name_or_path,
-                                                                       **export_kwargs)
-        if eagle3:
-            return export_eagle3_vllm(self, out_dir, verifier_name_or_path, **export_kwargs)
-        return export_vllm(self, out_dir, verifier_name_or_path, layout="vllm" if layout == "vllm" else "speculators",
-                           **export_kwargs)
+        return kind_of(self).export(self, out_dir, layout, verifier_name_or_path, **export_kwargs)
 
     def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
                     commit_message: str | None = None, model_card: dict | None = None, layout: str = "tlt",
@@ -309,31 +280,20 @@ class Drafter(nn.Module, ABC):
         made for). ``model_card``: keyword arguments of ``write_model_card`` (``policy_name`` defaults to the policy
         the drafter was made for, ``repo_id`` to this repo).
         """
-        from huggingface_hub import HfApi
-
-        from .model_card import write_model_card
-
-        if layout != "tlt" and layout not in EXPORT_LAYOUTS:
-            raise ValueError(f"layout={layout!r}: choose 'tlt' or one of {EXPORT_LAYOUTS}.")
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        card = {"repo_id": repo_id, **(model_card or {})}
-        with tempfile.TemporaryDirectory() as tmp:
-            if layout == "tlt":
-                self.save_pretrained(tmp, model_card=card)
-            else:
-                self.export(tmp, layout, verifier_name_or_path, **export_kwargs)
-                served = {"sglang": "sglang_model"}.get(layout, "vllm_model")
-                k = export_kwargs.get("num_speculative_tokens", 3)
-                write_model_card(self, tmp, **({served: repo_id, "num_speculative_tokens": k} | card))
-            info = api.upload_folder(repo_id=repo_id, folder_path=tmp,
-                                     commit_message=commit_message or f"Upload {self.config.architecture} ({layout})")
-        return str(info)
+        return push_drafter(self, repo_id, private=private, token=token, commit_message=commit_message,
+                            model_card=model_card, layout=layout, verifier_name_or_path=verifier_name_or_path,
+                            **export_kwargs)
 
 
 class AutoregressiveDrafter(Drafter):
     """A drafter that drafts one token per pass, reading its own prediction for the next (EAGLE-1, EAGLE-3):
     chains and trees of drafts, trained with training-time test."""
+
+    @classmethod
+    def check_config(cls, config: EagleDrafterConfig) -> None:
+        if config.block_size is not None or config.num_hidden_layers != 1:
+            raise ValueError("block_size and num_hidden_layers are BlockDrafter settings; EAGLE drafters have one "
+                             "layer and draft token by token.")
 
     @abstractmethod
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,

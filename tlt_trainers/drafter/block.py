@@ -177,11 +177,25 @@ class BlockDrafter(FusedLayers, OwnHead, Drafter):
             row = embedding[self.config.mask_token_id] if self.config.mask_token_id is not None else embedding.mean(0)
             self.mask_embedding.copy_(row)
 
-    # ----------------------------------------------------------------- what the engine asks
-    @property
-    def drafts_blocks(self) -> bool:
-        return True
+    @classmethod
+    def check_config(cls, config: EagleDrafterConfig) -> None:
+        ids = list(config.aux_layer_ids or [])
+        if not ids or ids != sorted(set(ids)) or ids[0] < 1:
+            raise ValueError(f"aux_layer_ids={config.aux_layer_ids}: a BlockDrafter reads one or more distinct "
+                             "policy layers in increasing order (the outputs of decoder layers, ids >= 1).")
+        if config.block_size is None or config.block_size < 2:
+            raise ValueError(f"block_size={config.block_size}: a block holds the last committed token and at least "
+                             "one masked slot (block_size >= 2; DFlash uses 8 to 16).")
+        if config.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers={config.num_hidden_layers} must be >= 1.")
+        if config.mask_token_id is not None and not 0 <= config.mask_token_id < config.vocab_size:
+            raise ValueError(f"mask_token_id={config.mask_token_id} is outside the vocabulary "
+                             f"(0..{config.vocab_size - 1}).")
+        if config.qkv_bias:
+            raise ValueError("qkv_bias=True is an EAGLE-1 (Qwen2-style) option; block drafters have no attention "
+                             "biases in any layout vLLM or SGLang loads.")
 
+    # ----------------------------------------------------------------- what the engine asks
     @property
     def block_size(self) -> int:
         return int(self.config.block_size)

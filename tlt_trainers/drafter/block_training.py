@@ -114,3 +114,11 @@ def block_loss(drafter: BlockDrafter, hidden: torch.Tensor, next_tokens: torch.T
         acceptance = 1.0 + float(run.sum(-1)[blocks].float().mean()) if bool(blocks.any()) else math.nan
     return loss, {"loss": loss.item(), "feature_loss": 0.0, "token_loss": loss.item(), "top1": by_step[0],
                   "top1_by_step": by_step, "acceptance_length": acceptance, "blocks": int(blocks.sum())}
+
+
+def block_training_loss(trainer, batch) -> tuple[torch.Tensor, dict]:
+    """:func:`block_loss` on a :class:`~.trainer.DrafterTrainer`'s micro-batch with the trainer's settings: the block
+    kind's training loss (its :class:`~.registry.DrafterKind` record)."""
+    return block_loss(trainer.drafter, batch.hidden, batch.next_tokens, batch.lengths[:, 0], batch.targets,
+                      trainer.target_to_draft(), trainer.block_anchors, trainer.generator, trainer.block_gamma,
+                      trainer.loss_chunk_size or 2048)

@@ -1,4 +1,5 @@
-"""Configuration of a drafter (EAGLE-1, EAGLE-3 or a block drafter), stored as config.json next to its weights."""
+"""Configuration of a drafter (EAGLE-1, EAGLE-3, a block drafter or another registered kind), stored as config.json
+next to its weights; ``architecture`` names the kind (:mod:`.registry`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import json
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
+from .registry import is_registered, kind_of, registered
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-ARCHITECTURES = ("EagleDrafter", "Eagle3Drafter", "BlockDrafter")
 # Fields added after format 2, left out of config.json while at their defaults.
 _LATER_FIELDS = {"qkv_bias": False, "rope_scaling": None, "num_hidden_layers": 1, "block_size": None,
                  "mask_token_id": None}
@@ -53,32 +55,8 @@ class EagleDrafterConfig:
     mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r}: choose one of {ARCHITECTURES}.")
-        if self.architecture == "Eagle3Drafter":
-            ids = list(self.aux_layer_ids or [])
-            if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
-                raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: an Eagle3Drafter reads three distinct policy "
-                                 "layers in increasing order (low, middle, high), as vLLM and SGLang do.")
-        if self.architecture == "BlockDrafter":
-            ids = list(self.aux_layer_ids or [])
-            if not ids or ids != sorted(set(ids)) or ids[0] < 1:
-                raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: a BlockDrafter reads one or more distinct "
-                                 "policy layers in increasing order (the outputs of decoder layers, ids >= 1).")
-            if self.block_size is None or self.block_size < 2:
-                raise ValueError(f"block_size={self.block_size}: a block holds the last committed token and at least "
-                                 "one masked slot (block_size >= 2; DFlash uses 8 to 16).")
-            if self.num_hidden_layers < 1:
-                raise ValueError(f"num_hidden_layers={self.num_hidden_layers} must be >= 1.")
-            if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-                raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary "
-                                 f"(0..{self.vocab_size - 1}).")
-        elif self.block_size is not None or self.num_hidden_layers != 1:
-            raise ValueError("block_size and num_hidden_layers are BlockDrafter settings; EAGLE drafters have one "
-                             "layer and draft token by token.")
-        if self.qkv_bias and self.architecture != "EagleDrafter":
-            raise ValueError("qkv_bias=True is an EAGLE-1 (Qwen2-style) option; EAGLE-3 drafters have no attention "
-                             "biases in any layout vLLM or SGLang loads.")
+        # The kind's class checks the settings that are its own (EAGLE-3's fused layers, a block's size, ...).
+        kind_of(self.architecture).drafter_class.check_config(self)
         if self.rope_scaling is not None:
             from .rope import check_rope_scaling
 
@@ -135,7 +113,7 @@ class EagleDrafterConfig:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err}); re-save the drafter with save_pretrained.") from err
         architecture = data.get("architecture") if isinstance(data, dict) else None
-        if architecture not in ARCHITECTURES:
+        if not isinstance(architecture, str) or not is_registered(architecture):
             raise ValueError(f"{path} is not a drafter config of this package (architecture={architecture!r}, "
-                             f"known: {ARCHITECTURES}).")
+                             f"known: {sorted(registered())}).")
         return cls.from_dict(data)

@@ -124,6 +124,17 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
     """An EAGLE-3 drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
 
+    @classmethod
+    def check_config(cls, config: EagleDrafterConfig) -> None:
+        super().check_config(config)
+        ids = list(config.aux_layer_ids or [])
+        if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
+            raise ValueError(f"aux_layer_ids={config.aux_layer_ids}: an Eagle3Drafter reads three distinct policy "
+                             "layers in increasing order (low, middle, high), as vLLM and SGLang do.")
+        if config.qkv_bias:
+            raise ValueError("qkv_bias=True is an EAGLE-1 (Qwen2-style) option; EAGLE-3 drafters have no attention "
+                             "biases in any layout vLLM or SGLang loads.")
+
     def __init__(self, config: EagleDrafterConfig, target: nn.Module | None = None):
         super().__init__(config)
         h = config.hidden_size

@@ -33,9 +33,10 @@ from torch import nn
 
 from ..modeling.target import compute_dtype, logit_transform, text_config
 from .base import Drafter
-from .config import ARCHITECTURES, CONFIG_NAME, EagleDrafterConfig
+from .config import CONFIG_NAME, EagleDrafterConfig
 from .eagle3 import Eagle3Drafter
 from .export import SGLANG_TOKEN_MAP, _rebuild, _rope_scaling, _rope_theta, _split
+from .registry import is_registered, set_other_layout_reader
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def _strip_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def detect_layout(config: dict, tensors: dict[str, torch.Tensor] | None = None) -> str:
     """The layout of a drafter folder from its config.json (and its tensor names where the config is a plain
     Llama/Qwen config): one of :data:`LAYOUTS`."""
-    if config.get("architecture") in ARCHITECTURES:
+    if is_registered(str(config.get("architecture"))):
         return "tlt"
     kind = config.get("speculators_model_type")
     if kind is not None:
@@ -371,3 +372,6 @@ def load_drafter(directory: str | Path, target: nn.Module, layout: str | None = 
     drafter.bind(target)
     logger.info(f"Loaded a {type(drafter).__name__} from the {found!r} layout at {path}.")
     return drafter
+
+
+set_other_layout_reader(load_drafter)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .registry import kind_of
+
 TAGS = ["speculative-decoding", "eagle", "draft-model", "tlt-trainers", "vllm", "sglang"]
 
 
@@ -85,8 +87,7 @@ def write_model_card(
     policy = policy_name or c.target_name_or_path
     here = repo_id or "path/to/this/folder"
     k = int(num_speculative_tokens)
-    tags = ([t for t in TAGS if t not in ("eagle", "sglang")] + ["dflash"] if c.architecture == "BlockDrafter"
-            else list(TAGS))  # a block drafter is served by vLLM's dflash method only
+    tags = list(kind_of(drafter).model_card_tags or TAGS)  # where each kind is served (a block drafter: dflash)
     data = ModelCardData(library_name="tlt-trainers", tags=tags, base_model=policy or None, license=license)
     vocab = (f"{c.draft_vocab_size} of the policy's {c.vocab_size} tokens (draft vocabulary; verification "
              "stays over the full vocabulary)" if c.uses_draft_vocab else f"the policy's full {c.vocab_size} tokens")

@@ -30,11 +30,11 @@ from ..kernels.packed_attention import PackedSequences, flash_varlen_available
 from ..modeling.features import capture_features
 from ..modeling.target import TargetModel
 from .base import Drafter
-from .block_training import block_loss
 from .buffer import BufferedSequence, FeatureBuffer
 from .config import WEIGHTS_NAME, EagleDrafterConfig
 from .files import load_weights, staged_save
 from .losses import linear_cross_entropy_sum
+from .registry import kind_of
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_STATE = "optimizer.pt"
@@ -325,13 +325,18 @@ class DrafterTrainer:
                             packed=packed)
 
     def _loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
-        """Loss on one micro-batch and its metrics."""
-        if self.drafter.drafts_blocks:
-            return block_loss(self.drafter, batch.hidden, batch.next_tokens, batch.lengths[:, 0], batch.targets,
-                              self._target_to_draft(), self.block_anchors, self.generator, self.block_gamma,
-                              self.loss_chunk_size or 2048)
+        """Loss on one micro-batch and its metrics: the training loss the drafter's kind names."""
+        return kind_of(self.drafter).training_loss(self, batch)
+
+    def autoregressive_loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
+        """A drafter of one token per pass, trained with training-time test: EAGLE-3's token loss where it reads
+        fused layers, EAGLE-1's feature regression plus token loss where it reads the policy's last hidden state."""
         if not regresses_features(self.drafter):
             return self._token_loss(batch)
+        return self._feature_loss(batch)
+
+    def _feature_loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
+        """EAGLE-1's loss: each unrolled step regresses the policy's next feature and matches its token law."""
         drafter = self.drafter  # EAGLE-1: always padded (packs_sequences)
         hidden, positions, lengths = batch.hidden, batch.positions, batch.lengths
         valid = batch.real  # pair (h_t, x_{t+1}) exists
@@ -365,7 +370,7 @@ class DrafterTrainer:
         positions, lengths, targets = batch.positions, batch.lengths, batch.targets
         outputs = drafter.forward_unrolled(batch.hidden, batch.next_tokens, positions, batch.layout,
                                            self.unroll_steps)
-        t2d = self._target_to_draft()
+        t2d = self.target_to_draft()
         if targets is not None:
             draft_ids = t2d[targets[0]]  # [b, L, k], -1 outside the draft vocabulary
             probs = targets[1] * (draft_ids >= 0)
@@ -412,7 +417,7 @@ class DrafterTrainer:
         """Drafts per step that ``estimated_acceptance_length`` assumes: 4, or a block drafter's whole block."""
         return self.drafter.max_drafts if self.drafter.drafts_blocks else 4
 
-    def _target_to_draft(self) -> torch.Tensor:
+    def target_to_draft(self) -> torch.Tensor:
         """The drafter's policy-id -> draft-id map, rebuilt only when its draft vocabulary changes."""
         d2t = self.drafter.d2t
         key = None if d2t is None else (d2t.data_ptr(), d2t._version)

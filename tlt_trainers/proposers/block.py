@@ -74,3 +74,11 @@ class BlockProposer:
         draft_ids = sample_categorical(probs, sampling.generator).reshape(batch, depth)
         return Proposal.chain(drafter.to_target_ids(draft_ids), draft_probs=probs.reshape(batch, depth, vocab),
                               draft_ids=draft_ids, draft_to_target=drafter.d2t)
+
+
+def block_proposers(drafter: BlockDrafter, sampling: DraftSampling,
+                    clock: Callable[[], float] = time.perf_counter) -> tuple[dict, BlockProposer]:
+    """The proposer of a block drafter, ``block:K``; a :class:`~tlt_trainers.drafter.registry.DrafterKind`
+    factory."""
+    proposer = BlockProposer(drafter, sampling, clock)
+    return {"block": proposer}, proposer

@@ -204,3 +204,11 @@ class EagleTreeProposer:
         node_of.scatter_(1, chosen + 1, torch.arange(1, budget + 1, device=device).expand(batch, -1))
         parents = node_of.gather(1, all_parents.gather(1, chosen) + 1)
         return DraftTree(all_tokens.gather(1, chosen), parents, all_depths.gather(1, chosen), depth_bound=depth)
+
+
+def token_proposers(drafter: Drafter, sampling: DraftSampling,
+                    clock: Callable[[], float] = time.perf_counter) -> tuple[dict, DrafterRunner]:
+    """The proposers of a drafter that drafts one token per pass (EAGLE-1, EAGLE-3): ``chain:K`` and trees, sharing
+    one runner (which keeps the drafter caught up); a :class:`~tlt_trainers.drafter.registry.DrafterKind` factory."""
+    runner = DrafterRunner(drafter, sampling, clock)
+    return {"chain": EagleChainProposer(runner), "tree": EagleTreeProposer(runner)}, runner

@@ -11,15 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from ..drafter.registry import kind_of
 from ..kernels.fused_verification import fused_verification
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowState, WritePlan
 from ..modeling.rows import ActiveRows
-from ..proposers.block import BlockProposer
-from ..proposers.eagle import DrafterRunner, DraftSampling, EagleChainProposer, EagleTreeProposer
+from ..proposers.eagle import DraftSampling
 from ..proposers.history import HistoryProposer, MergedProposer
 from ..proposers.strategy import NONE, Strategy
 from ..sampling.distribution import SamplingParams, UniformStream, process_logits
@@ -170,20 +171,17 @@ class Rollout:
         )
 
     def _new_proposers(self, params: SamplingParams, history_keys) -> tuple[
-            dict, DrafterRunner | BlockProposer | None, HistoryProposer | None]:
-        """The proposer of each kind this engine's strategies use, keyed by ``Strategy.proposer``."""
+            dict, Any, HistoryProposer | None]:
+        """The proposer of each kind this engine's strategies use, keyed by ``Strategy.proposer`` (the drafter's
+        from its kind's factory), the one that keeps the drafter caught up, and the history proposer."""
         proposers: dict = {}
         drafting = history = None
         if self.use_drafter:
             # The drafter's q may be any distribution we sample from; without the repetition penalty it needs no
             # per-position history, and verification corrects the difference.
             sampling = DraftSampling(replace(params, repetition_penalty=1.0), self.warpers, self.generator)
-            if self.engine.drafter.drafts_blocks:
-                drafting = proposers["block"] = BlockProposer(self.engine.drafter, sampling, self._now)
-            else:
-                drafting = DrafterRunner(self.engine.drafter, sampling, self._now)
-                proposers["chain"] = EagleChainProposer(drafting)
-                proposers["tree"] = EagleTreeProposer(drafting)
+            made, drafting = kind_of(self.engine.drafter).proposers(self.engine.drafter, sampling, self._now)
+            proposers.update(made)
         if self.engine.rollout_history is not None:
             history = HistoryProposer(self.engine.rollout_history, history_keys)
             proposers["history"] = history
@@ -216,17 +214,13 @@ class Rollout:
         rows, graphs = self.rows, self.step_graphs
         if graphs.disabled is not None or rows.presence is not None:
             return None
-        if strategy.kind in ("chain", "tree") and not strategy.history_tokens and \
-                isinstance(self.drafting, DrafterRunner):
-            # The drafter's catch-up: the rows' accepted paths and bonus tokens of the deepest chain or tree the
-            # engine drafts (a chain cut short near max_new_tokens follows a longer one)
-            width = max(s.depth for s in self.engine.strategies if s.kind in ("chain", "tree")) + 1
+        if strategy.uses_drafter and not strategy.history_tokens and self.drafting is not None:
+            # The drafter's catch-up: the rows' accepted paths (or a block's context) and bonus tokens of the
+            # deepest proposal the engine drafts with it (a chain cut short near max_new_tokens follows a longer one)
+            drafted = kind_of(self.engine.drafter).strategy_kinds
+            width = max(s.depth for s in self.engine.strategies if s.kind in drafted) + 1
             if rows.max_behind > width:
                 return None  # after plain steps: a one-off wider catch-up, eagerly
-        elif strategy.kind == "block" and isinstance(self.drafting, BlockProposer):
-            width = max(s.depth for s in self.engine.strategies if s.kind == "block") + 1  # the context catch-up
-            if rows.max_behind > width:
-                return None
         elif strategy.kind in ("none", "history"):
             width = 0
         else:

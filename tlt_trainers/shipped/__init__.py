@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..drafter.registry import kind_named, registered
 from ..modeling.target import text_config
 
 HERE = Path(__file__).resolve().parent
@@ -45,14 +46,11 @@ def _matches(saved: dict, ours: dict) -> bool:
 
 
 def shipped_drafters() -> list[Path]:
-    """Folders of the drafters shipped with this installation."""
-    return sorted(path.parent for path in HERE.glob(f"*/{FINGERPRINT}"))
-
-
-ARCHITECTURE_CLASSES = {"eagle3": "Eagle3Drafter", "eagle": "EagleDrafter", "block": "BlockDrafter"}
-# What 'auto' starts from where several drafters ship for one policy: the first of these that does (a block drafter
-# ships opt-in until it beats EAGLE-3 on bench_drafters at batch 1 and 4, greedy and T=1).
-AUTO_ORDER = ("Eagle3Drafter", "EagleDrafter", "BlockDrafter")
+    """Folders of the drafters shipped with this installation: those on this package's shelf and those the
+    registered kinds' records list (a kind registered from outside the package ships its own)."""
+    folders = {path.parent for path in HERE.glob(f"*/{FINGERPRINT}")}
+    folders |= {Path(folder) for kind in registered().values() for folder in kind.shipped}
+    return sorted(folder for folder in folders if (folder / FINGERPRINT).is_file())
 
 
 def _architecture(folder: Path) -> str | None:
@@ -63,16 +61,20 @@ def _architecture(folder: Path) -> str | None:
 def shipped_drafter_for(policy: nn.Module, architecture: str = "auto") -> Path | None:
     """The shipped drafter trained for ``policy``, or None.
 
-    ``architecture``: 'auto' (the default one: see ``AUTO_ORDER``), or 'eagle3' / 'eagle' / 'block' (that kind only,
-    as ``drafter_architecture`` names them).
+    ``architecture``: 'auto' (the kinds' ``auto_rank`` order: EAGLE-3 first; a block drafter ships opt-in until it
+    beats EAGLE-3 on bench_drafters at batch 1 and 4, greedy and T=1), or a kind's name as ``drafter_architecture``
+    gives it ('eagle3', 'eagle', 'block': that kind only).
     """
-    if architecture != "auto" and architecture not in ARCHITECTURE_CLASSES:
-        raise ValueError(f"architecture={architecture!r}: choose 'auto' or one of {sorted(ARCHITECTURE_CLASSES)}.")
+    if architecture == "auto":
+        ranked = sorted((kind for kind in registered().values() if kind.auto_rank is not None),
+                        key=lambda kind: kind.auto_rank)
+        wanted = tuple(kind.architecture for kind in ranked)
+    else:
+        wanted = (kind_named(architecture).architecture,)
     ours, found = None, {}
     for folder in shipped_drafters():
         if ours is None:
             ours = policy_fingerprint(policy)
         if _matches(json.loads((folder / FINGERPRINT).read_text()), ours):
             found.setdefault(_architecture(folder), folder)
-    wanted = AUTO_ORDER if architecture == "auto" else (ARCHITECTURE_CLASSES[architecture],)
     return next((found[name] for name in wanted if name in found), None)

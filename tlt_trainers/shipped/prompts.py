@@ -36,8 +36,6 @@ def prompt_mix(tokenizer, count: int, seed: int, topics: list[str] = CHAT_TOPICS
     other topics (``EVAL_CHAT_TOPICS``)."""
     import reasoning_gym
 
-    from ..warmup import chat_prompt
-
     rng = random.Random(seed)
     questions = count * 3 // 4
     per_task = -(-questions // (len(TASKS) * len(INSTRUCTIONS)))
@@ -51,3 +49,12 @@ def prompt_mix(tokenizer, count: int, seed: int, topics: list[str] = CHAT_TOPICS
     texts += [rng.choice(CHAT_TEMPLATES).format(topic=rng.choice(topics)) for _ in range(count - questions)]
     rng.shuffle(texts)
     return [chat_prompt(tokenizer, text) for text in texts]
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as the user's turn in the tokenizer's chat template, ready for the answer (``text`` itself where the
+    tokenizer has no template)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text

@@ -39,8 +39,8 @@ from trl.trainer.utils import pad
 
 from .. import metric_names as metric
 from ..drafter.base import Drafter
-from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import TRAINER_STATE
+from ..kinds.setup import rollout_drafter
 from ..modeling.features import capture_features
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
 from ..rollout.stats import RolloutCounters

@@ -33,7 +33,7 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from ..drafter.export import export_vllm, vllm_weights
-from ..drafter.setup import rollout_drafter
+from ..kinds.setup import rollout_drafter
 from ..vllm.sync import _torch_dtype
 from .settings import TLTSection
 from .vllm import drafter_export_dir, drafter_trains, num_speculative_tokens

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..drafter.base import Drafter
-from ..drafter.setup import rollout_drafter
 from ..drafter.trainer import DrafterTrainer
+from ..kinds.setup import rollout_drafter
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import SamplingParams, process_logits

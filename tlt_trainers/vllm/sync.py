@@ -15,13 +15,8 @@ from safetensors.torch import save, save_file
 from torch import nn
 
 from ..drafter.base import Drafter
-from ..drafter.block import BlockDrafter
 from ..drafter.config import WEIGHTS_NAME
-from ..drafter.eagle import EagleDrafter
-from ..drafter.eagle3 import Eagle3Drafter
-from ..drafter.export import export_vllm, vllm_weights
-from ..drafter.export_block import block_weights, export_block_vllm, write_mask_embedding
-from ..drafter.export_eagle3 import eagle3_weights, export_eagle3_vllm
+from ..drafter.registry import kind_of, registered
 from ._install import VLLM_INSTALL_HINT, require_vllm, vllm_version
 from .config import EXTENSION, check_drafter_matches, speculative_config
 from .metrics import SpecDecodeCounters, spec_decode_counters
@@ -83,12 +78,14 @@ class VLLMDrafterSync:
         num_speculative_tokens: int = 3,
         full_vocab_head: bool = False,
     ):
-        if not isinstance(drafter, (EagleDrafter, Eagle3Drafter, BlockDrafter)):
-            raise TypeError(f"VLLMDrafterSync serves an EagleDrafter (vLLM's EAGLE-1), an Eagle3Drafter (EAGLE-3) or "
-                            f"a BlockDrafter (DFlash), not a {type(drafter).__name__}.")
-        if isinstance(drafter, BlockDrafter) and not 1 <= num_speculative_tokens <= drafter.max_drafts:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: this block drafter drafts 1 to "
-                             f"{drafter.max_drafts} tokens per pass (its block_size - 1).")
+        served = {kind.architecture for kind in registered().values() if kind.vllm is not None}
+        serving = kind_of(drafter).vllm if isinstance(drafter, Drafter) else None
+        if serving is None:
+            raise TypeError(f"VLLMDrafterSync serves a drafter of a kind vLLM runs ({', '.join(sorted(served))}: a "
+                            f"DrafterKind with a vllm method), not a {type(drafter).__name__}.")
+        if serving.max_drafts is not None and not 1 <= num_speculative_tokens <= serving.max_drafts(drafter):
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: this {type(drafter).__name__} drafts "
+                             f"1 to {serving.max_drafts(drafter)} tokens per pass.")
         if policy is not None:
             check_drafter_matches(drafter, policy)
         self.drafter = drafter
@@ -101,14 +98,7 @@ class VLLMDrafterSync:
         self.engine_info: list[dict] = []
         start = time.perf_counter()
         try:
-            if isinstance(drafter, Eagle3Drafter):
-                export_eagle3_vllm(drafter, self.directory, policy or drafter.config.target_name_or_path or "policy",
-                                   num_speculative_tokens=self.num_speculative_tokens)
-            elif isinstance(drafter, BlockDrafter):
-                export_block_vllm(drafter, self.directory, policy)
-            else:
-                export_vllm(drafter, self.directory, policy, num_speculative_tokens=self.num_speculative_tokens,
-                            full_vocab_head=full_vocab_head)
+            serving.export(drafter, self.directory, policy, self.num_speculative_tokens, full_vocab_head)
             self.export_seconds = time.perf_counter() - start
             if llm is not None:
                 self.attach(llm)
@@ -208,13 +198,7 @@ class VLLMDrafterSync:
             via = "tensors" if all(info.get("pid") == os.getpid() for info in self.engine_info) else "bytes"
         start = time.perf_counter()
         dtype = _torch_dtype(self.engine_info[0]["dtype"]) if self.engine_info else None
-        if isinstance(drafter, Eagle3Drafter):
-            tensors = eagle3_weights(drafter, dtype)
-        elif isinstance(drafter, BlockDrafter):
-            tensors = block_weights(drafter, dtype)
-            write_mask_embedding(drafter, self.directory, dtype)  # vLLM's load_weights reads it from the folder
-        else:
-            tensors = vllm_weights(drafter, full_vocab_head=self.full_vocab_head, dtype=dtype)
+        tensors = kind_of(drafter).vllm.weights(drafter, self.directory, dtype, self.full_vocab_head)
         if via == "files":
             write_weights(tensors, self.directory)
             args: tuple = (None, str(self.directory))

@@ -7,12 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..drafter.base import Drafter
+from ..drafter.eagle import EagleDrafter
+from ..drafter.eagle3 import Eagle3Drafter
+from ..drafter.registry import kind_named, kind_of
+from ..drafter.trainer import DrafterTrainer
 from ..modeling.target import compute_dtype, text_config
-from .base import Drafter
-from .block import BlockDrafter
-from .eagle import EagleDrafter
-from .eagle3 import Eagle3Drafter
-from .trainer import DrafterTrainer
+from ..shipped import shipped_drafter_for
 
 DRAFT_VOCAB_THRESHOLD, DEFAULT_DRAFT_VOCAB = 8192, 4096
 
@@ -41,25 +42,22 @@ def drafter_class(policy: nn.Module, architecture: str, engine: str = "tlt") -> 
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {ENGINES}.")
-    if architecture == "eagle":
-        return EagleDrafter
-    if architecture == "block":
-        if engine == "vllm-eagle1":
-            raise ValueError("drafter_architecture='block' with this vLLM rollout (TRL's server mode or veRL's vLLM "
-                             "rollout): it serves and reloads EAGLE-1 drafters; use TLT's engine or TRL's colocated "
-                             "vLLM engine (which serves block drafters as vLLM's DFlash).")
-        return BlockDrafter
+    if architecture != "auto":
+        kind = kind_named(architecture)
+        if engine == "vllm-eagle1" and not (kind.vllm is not None and kind.vllm.eagle1_compatible):
+            raise ValueError(f"drafter_architecture={architecture!r} with this vLLM rollout (TRL's server mode or "
+                             "veRL's vLLM rollout): it serves and reloads EAGLE-1 drafters; set "
+                             "drafter_architecture='eagle' (or 'auto'), or use TLT's engine or TRL's colocated vLLM "
+                             "engine (which serves EAGLE-3 and block drafters).")
+        if engine == "vllm" and kind.vllm is None:
+            raise ValueError(f"drafter_architecture={architecture!r}: vLLM serves no drafter of this kind (its "
+                             "DrafterKind has no vllm method); use TLT's engine.")
+        return kind.drafter_class
     if engine == "vllm-eagle1":
-        if architecture == "eagle3":
-            raise ValueError("drafter_architecture='eagle3' with this vLLM rollout (TRL's server mode or veRL's vLLM "
-                             "rollout): it serves and reloads EAGLE-1 drafters; set drafter_architecture='eagle' (or "
-                             "'auto'), or use TRL's colocated vLLM engine.")
         return EagleDrafter
     layers = getattr(text_config(policy), "num_hidden_layers", 0) or 0
     deep = layers >= EAGLE3_MIN_LAYERS and getattr(policy.get_decoder(), "layers", None) is not None
-    if architecture == "eagle3" or deep:
-        return Eagle3Drafter
-    return EagleDrafter
+    return Eagle3Drafter if deep else EagleDrafter
 
 
 def starting_drafter(policy: nn.Module, settings: Any, engine: str = "tlt") -> str | None:
@@ -73,8 +71,6 @@ def starting_drafter(policy: nn.Module, settings: Any, engine: str = "tlt") -> s
         return name
     if engine == "vllm-eagle1":
         return None
-    from ..shipped import shipped_drafter_for
-
     shipped = shipped_drafter_for(policy, getattr(settings, "drafter_architecture", "auto"))
     return None if shipped is None else str(shipped)
 
@@ -107,7 +103,8 @@ def rollout_drafter(policy: nn.Module, settings: Any, seed: int, rank: int = 0,
             if engine != "tlt" and kind is EagleDrafter and requested is None:
                 requested = 0  # vLLM's EAGLE-1 drafter scores the full vocabulary: train the drafter it will serve
             drafter = kind.from_target(policy, draft_vocab_size=draft_vocab_size(requested, head.shape[0]))
-    if engine == "vllm-eagle1" and not isinstance(drafter, EagleDrafter):
+    serving = kind_of(drafter).vllm
+    if engine == "vllm-eagle1" and not (serving is not None and serving.eagle1_compatible):
         raise ValueError(f"This vLLM rollout (TRL's server mode or veRL's vLLM rollout) serves EAGLE-1 drafters, but "
                          f"the drafter is a {type(drafter).__name__}: start from an EagleDrafter (drafter_name_or_path "
                          "of one, or 'fresh'), or use TRL's colocated vLLM engine, which serves EAGLE-3.")
