@@ -128,6 +128,7 @@ class SpeculationDecider(Generic[Arm]):
         self.plain_seen: dict[int, int] = {}  # bucket -> the step of its latest measured plain step
         self.in_force: dict[int, Arm] = {}  # bucket -> the arm of its latest decision
         self.chosen: dict[int, dict[str, int]] = {}  # bucket -> arm name -> decisions
+        self.last_decision: Decision[Arm] | None = None
 
     # ---------------------------------------------------------------- the engine's clock
     def step_taken(self) -> None:
@@ -184,4 +185,5 @@ class SpeculationDecider(Generic[Arm]):
         self.in_force[bucket] = best
         counts = self.chosen.setdefault(bucket, {})
         counts[self._name(best)] = counts.get(self._name(best), 0) + 1
-        return Decision(best, speculative, best_value if speculative else 1.0, reason, bucket, changed)
+        self.last_decision = Decision(best, speculative, best_value if speculative else 1.0, reason, bucket, changed)
+        return self.last_decision
