@@ -117,8 +117,9 @@ def test_an_arm_bounded_below_the_best_is_not_priced():
     assert decision.arm == "a" and asked == ["a"]
 
 
-def test_the_engines_selector_decides_through_the_decider():
-    """StrategySelector's rules are the decider's: its settings reach it, and a broken decider breaks the choice."""
+def test_both_adapters_map_their_settings_onto_the_rules():
+    """The engine's selector arguments (TLTConfig.min_speedup reaches it) and vLLM's SpeculationSettings become the
+    decider's rules: min_gain is the margin over 1."""
     selector = StrategySelector([parse_strategy("chain:3")], CostProfile(), min_speedup=1.4, refresh_steps=7,
                                 explore_below=1.1)
     rules = selector.decider.rules

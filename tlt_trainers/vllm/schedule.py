@@ -196,12 +196,14 @@ class AdaptiveSpeculation:
 
     def relative_cost(self, batch: int, length: int) -> float:
         """A step of ``length`` per plain step at this batch size, as the decisions price it: measured where both
-        are, predicted where the length is not (:meth:`_unmeasured_ratio`), unknown (inf) where plain is not."""
+        are, predicted where the length is not (:meth:`_unmeasured_ratio`), unknown (inf) where plain is not. Never
+        below 1, as in TLT's engine: a speculative step does a plain step's work and more, so a ratio that reads
+        lower is a burst of slowness during the plain steps (a busy machine's noise is one-sided)."""
         key = selector_bucket(batch)
         if math.isnan(self._cost(key, 0)):
             return math.inf
         own = self.cost_ratio(key, length)
-        return own if not math.isnan(own) else self._unmeasured_ratio(key, batch, length)
+        return max(own if not math.isnan(own) else self._unmeasured_ratio(key, batch, length), 1.0)
 
     def value(self, batch: int, length: int) -> float:
         """Expected tokens per second relative to plain decoding at this batch size (NaN: cost unknown)."""
