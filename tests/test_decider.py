@@ -273,6 +273,41 @@ def test_both_adapters_decide_the_same_step_by_step(name):
                              rows[b - 1].batch)  # the plain pace at batch 1 is re-measured every 32 steps
 
 
+def test_neither_adapter_keeps_a_length_measured_under_the_floor():
+    """A drafter worth 0.92x at batch 1 (1.1 tokens per verify at 1.2 plain steps): exploration may try it, but once
+    its price is measured neither adapter chooses it while that measurement stands, though the engine's exploration
+    bonus alone would have (the floor binds: the test is not vacuous)."""
+    ratio, accepted = 1.2, (1, 0, 0)
+
+    def tokens(step: int) -> float:  # one step in ten has its first draft token accepted
+        return 1 + (step % 10 == 0)
+
+    engine = StrategySelector([CHAIN], CostProfile(drafter_share=0.05), exploration=0.3)
+    schedule = make_vllm_schedule()
+    seen: list[Estimate] = []  # the prices each adapter gave its decider
+    for adapter in (engine, schedule):
+        price = adapter.estimate
+        adapter.estimate = lambda *args, price=price: seen.append(price(*args)) or seen[-1]
+    rules = engine.decider.rules
+    bound_by_floor = speculated = 0
+    for step in range(600):
+        seen.clear()
+        chosen = [engine.choose(1) != NONE, schedule.choose(1) != 0]
+        assert len(seen) == 2
+        for found, speculative in zip(seen, chosen):
+            measured_loser = found.measured and rules.value(found, optimism=False) < rules.floor
+            assert not (measured_loser and speculative), (step, found)
+            bound_by_floor += measured_loser and rules.value(found) > rules.min_speedup
+            speculated += speculative
+        t = tokens(step)
+        engine.observe(CHAIN if chosen[0] else NONE, 1, round(t) if chosen[0] else 1,
+                       plain_seconds(1) * (ratio if chosen[0] else 1.0), expected_emitted=t if chosen[0] else 1)
+        schedule.observe_step(1, K if chosen[1] else 0, plain_seconds(1) * (ratio if chosen[1] else 1.0))
+        if chosen[1]:
+            schedule.observe_drafts(10, [10 * (t - 1), 0, 0])
+    assert accepted and bound_by_floor > 0 and 0 < speculated < 60
+
+
 if __name__ == "__main__":
     for name, scenario in SCENARIOS.items():
         print(f"**{name} drafter**\n\n{decision_table(drive(scenario))}\n")

@@ -275,8 +275,10 @@ class StrategySelector:
                 return self.estimate(strategy, batch)
             if expected is None:
                 expected = history_expected() if callable(history_expected) else history_expected
+            # Valued from this step's own proposals, nothing optimistic: the speedup of the chain that pays best,
+            # given to the decider as that many tokens at the cost of one plain step (none pays: unknown)
             value, chain = self.history_speedup(strategy, batch, expected)
-            return Estimate(chain, tokens=value, cost=1.0 if value > 0 else math.inf)  # this step's own proposals
+            return Estimate(chain, tokens=value, cost=1.0 if value > 0 else math.inf)
 
         def bound(strategy: Strategy) -> float:
             return self.history_bound(strategy, batch) if from_proposals(strategy) else math.inf
