@@ -185,3 +185,16 @@ def test_measured_costs_carry_over_to_the_next_engine():
                         "profile": {"plain": {"1": 0.1}}})
     assert set(damaged.buckets) == {1} and set(damaged.buckets[1].costs) == {0}
     assert damaged.profile.plain == {1: 0.1}
+
+
+def test_a_speculative_step_is_never_priced_below_a_plain_one():
+    """Plain steps timed in a burst of slowness made a chain read cheaper than plain (0.6x) on a shared CPU, and a
+    drafter whose drafts were all rejected was kept on; as in TLT's engine, the price is at least one plain step."""
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    schedule.observe_step(1, 0, 0.10)
+    schedule.observe_step(1, K, 0.06)
+    assert schedule.cost_ratio(1, K) == pytest.approx(0.6)  # what was measured ...
+    assert schedule.relative_cost(1, K) == 1.0  # ... is not what a decision is priced at
+    for _ in range(8):  # rejected drafts: 1 token per step
+        schedule.observe_drafts(1, [0, 0, 0])
+    assert [schedule.choose(1) for _ in range(20)] == [0] * 20

@@ -22,13 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adaptive.buckets import selector_bucket as selector_bucket  # its home is adaptive/; imported from here too
 from ..modeling.kv_cache import RowState, WritePlan, additive_mask, attention_allowed
 from ..proposers.strategy import Strategy
-
-
-def selector_bucket(batch_size: int) -> int:
-    """Power-of-two buckets (1, 2, 3-4, 5-8, ...): costs within one differ little."""
-    return 1 << max(0, math.ceil(math.log2(max(batch_size, 1))))
 
 
 def _timed(fn, sync: bool) -> float:

@@ -25,6 +25,10 @@ arm is valued from this step's proposals (tokens each row is expected to get acc
 match statistics, times a calibration learnt per bucket from earlier history steps) and cut to the chain
 length that pays best, or skipped when few rows have a match. At large batch, where verifying
 a long chain for every row is dear, history is then used only when most rows have one.
+
+The choice itself (the margin, exploration, the floor, the plain refresh) is made by the decider shared with vLLM
+(:class:`~tlt_trainers.adaptive.decider.SpeculationDecider`); this module is the engine's side of it: what an arm is
+(a :class:`Strategy`), how a step is priced (the cost profile and its corrections) and how acceptance is learnt.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from ..adaptive.decider import DecisionRules, Estimate, SpeculationDecider
 from ..proposers.strategy import NONE, Strategy, tlt_prior
 from .costs import CostProfile, log_smoothed, selector_bucket
 
 
 class StrategySelector:
+    """The engine's adapter to the shared decider: strategies priced from the cost profile and learnt acceptance."""
+
     def __init__(self, strategies: list[Strategy], profile: CostProfile, window: int = 256,
                  exploration: float = 0.1, prior_steps: float = 2.0, cost_smoothing: float = 0.2,
                  explore_below: float = 1.3, min_speedup: float = 1.25, bucket_weight: float = 8.0,
@@ -50,20 +57,17 @@ class StrategySelector:
         self.prior_steps = prior_steps
         self.cost_smoothing = cost_smoothing
         self.cost_pessimism = cost_pessimism
-        self.explore_below = explore_below
-        self.min_speedup = min_speedup
         self.bucket_weight = bucket_weight
-        self.refresh_steps = refresh_steps
         self.min_trials = min_trials
-        self.steps = 0
+        self.decider: SpeculationDecider[Strategy] = SpeculationDecider(
+            DecisionRules(min_speedup=min_speedup, explore_below=explore_below, refresh_steps=refresh_steps),
+            NONE, name=lambda s: s.name)
         self.observed: dict[str, deque] = {s.name: deque() for s in self.strategies}  # (step, tokens per row)
         self.observed_in: dict[tuple[int, str], deque] = {}  # (bucket, strategy) -> (step, tokens per row)
         # bucket -> plain steps' measured / predicted seconds (the bucket's plain pace, local in time); a speculative
         # step's measured / predicted seconds relative to that pace live in ``profile.corrections`` (shared by the
         # engine's selectors and carried to the next run by the persistent cost cache)
         self.pace: dict[int, float] = {}
-        self.plain_seen: dict[int, int] = {}  # bucket -> selector step of its latest plain step
-        self.chosen: dict[int, dict[str, int]] = {}
         # History calibration: (step, bucket, tokens accepted, tokens the proposals' match statistics predicted).
         self.history_calibration_prior = (2.0, 4.0)  # pseudo-counts: accepted, predicted (a 0.5 prior)
         self.history_outcomes: deque = deque()
@@ -71,8 +75,35 @@ class StrategySelector:
         # What it tried, when, and what it measured: one record each time a bucket's choice changes, completed by
         # that step's measurement (``decisions``; bounded).
         self.decisions: deque = deque(maxlen=decision_log)
-        self._last_choice: dict[int, str] = {}
         self._open_decision: dict | None = None
+
+    # --------------------------------------------------------------- the decider's state, under the names it had here
+    @property
+    def steps(self) -> int:
+        """Steps observed (the decider's clock: windows and the plain refresh count them)."""
+        return self.decider.steps
+
+    @property
+    def min_speedup(self) -> float:
+        return self.decider.rules.min_speedup
+
+    @property
+    def explore_below(self) -> float:
+        return self.decider.rules.explore_below
+
+    @property
+    def refresh_steps(self) -> int:
+        return self.decider.rules.refresh_steps
+
+    @property
+    def plain_seen(self) -> dict[int, int]:
+        """Bucket -> step of its latest measured plain step."""
+        return self.decider.plain_seen
+
+    @property
+    def chosen(self) -> dict[int, dict[str, int]]:
+        """Bucket -> strategy name -> steps it was chosen for."""
+        return self.decider.chosen
 
     # --------------------------------------------------------------- estimates
     def _prior(self, strategy: Strategy, batch: int) -> float:
@@ -104,6 +135,11 @@ class StrategySelector:
         would otherwise rule the arm out for good (the bonus alone is too small to bring it back). The same
         holds for its cost in a bucket (see :meth:`speedup`): one slow step must not lock a cheap arm out.
         """
+        measured, optimistic = self._acceptance_pair(strategy, batch)
+        return optimistic if optimism else measured
+
+    def _acceptance_pair(self, strategy: Strategy, batch: int) -> tuple[float, float]:
+        """:meth:`acceptance` without and with optimism, from one pass over the window."""
         recent = self._recent(strategy)
         n = len(recent) + self.prior_steps
         prior = self._prior(strategy, batch)
@@ -111,11 +147,9 @@ class StrategySelector:
         own = self._recent(strategy, selector_bucket(batch))
         if own:
             mean = (sum(a for _, a in own) + self.bucket_weight * mean) / (len(own) + self.bucket_weight)
-        if optimism:
-            if len(recent) < self.min_trials:
-                mean = max(mean, prior)
-            mean += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
-        return min(mean, strategy.max_emitted)
+        optimistic = max(mean, prior) if len(recent) < self.min_trials else mean
+        optimistic += self.exploration * math.sqrt(math.log(self.steps + 2) / n) * (strategy.max_emitted - 1)
+        return min(mean, strategy.max_emitted), min(optimistic, strategy.max_emitted)
 
     def relative_cost(self, strategy: Strategy, batch: int, corrected: bool = True) -> float:
         """Seconds of a step with ``strategy`` per plain step at this batch size.
@@ -145,18 +179,27 @@ class StrategySelector:
         """Steps behind the strategy's cost correction in this bucket (this run's and the cached runs')."""
         return self.profile.corrections.get((selector_bucket(batch), strategy.name), (1.0, 0))[1]
 
+    def estimate(self, strategy: Strategy, batch: int) -> Estimate[Strategy]:
+        """The strategy's price for the decider. Optimism is about what few steps measured: acceptance below
+        ``min_trials`` steps in the window is valued at no less than the prior (see :meth:`acceptance`), and a timed
+        cost is not doubted on a few slow steps (noise); a prior from the plain curve is replaced by the first step's
+        measurement, which is all there is."""
+        samples = self.cost_samples(strategy, batch)
+        few_steps = self.profile.timed(strategy) and samples < self.min_trials
+        cost = self.relative_cost(strategy, batch)
+        tokens, optimistic_tokens = self._acceptance_pair(strategy, batch)
+        measured = samples >= self.min_trials and len(self._recent(strategy, selector_bucket(batch))) >= self.min_trials
+        return Estimate(strategy, tokens=tokens, cost=cost, optimistic_tokens=optimistic_tokens,
+                        optimistic_cost=self.relative_cost(strategy, batch, corrected=False) if few_steps else cost,
+                        measured=measured)
+
     def speedup(self, strategy: Strategy, batch: int, optimism: bool = False) -> float:
-        """Expected speedup over plain decoding. Exploration is optimistic only where a wrong guess is cheap
-        (relative cost up to ``explore_below``): acceptance learnt in the tail serves every bucket."""
+        """Expected speedup over plain decoding, as the decider values it. Exploration is optimistic only where a
+        wrong guess is cheap (relative cost up to ``explore_below``): acceptance learnt in the tail serves every
+        bucket."""
         if strategy.kind == "none":
             return 1.0
-        # A timed cost is not doubted on a few slow steps (noise); a prior from the plain curve is replaced by the
-        # first step's measurement, which is all there is
-        few_steps = self.profile.timed(strategy) and self.cost_samples(strategy, batch) < self.min_trials
-        cost = self.relative_cost(strategy, batch, corrected=not (optimism and few_steps))  # few steps: noise
-        if not math.isfinite(cost):
-            return 0.0
-        return self.acceptance(strategy, batch, optimism and cost <= self.explore_below) / cost
+        return self.decider.rules.value(self.estimate(strategy, batch), optimism)
 
     def history_calibration(self, batch: int | None = None) -> float:
         """Tokens accepted per token the match statistics predicted, over the window (history steps only).
@@ -210,8 +253,9 @@ class StrategySelector:
     # --------------------------------------------------------------- decisions
     def choose(self, batch: int,
                history_expected: Sequence[float] | Callable[[], Sequence[float]] | None = None) -> Strategy:
-        """The strategy with the best (optimistic) expected speedup, if it beats plain decoding by ``min_speedup``:
-        a predicted gain of a few percent is within the noise of the estimates, and plain decoding is the safe bet.
+        """The strategy the decider chooses from these prices: the best (optimistic) expected speedup if it beats
+        plain decoding by ``min_speedup`` (a predicted gain of a few percent is within the noise of the estimates,
+        and plain decoding is the safe bet).
 
         ``history_expected[w - 1]``: accepted tokens per row this step's history proposals predict for a chain of
         w; given, it values the ``history:K`` arms instead of their running mean. A callable is asked only where
@@ -219,32 +263,33 @@ class StrategySelector:
         cannot, and computing proposals for every row of a large batch is a cost outside the forward that is
         better skipped.
         """
-        best, best_value = NONE, self.min_speedup
         self._history_prediction = None
-        expected = None
-        for strategy in self.strategies:
-            if strategy.kind == "history" and history_expected is not None:
-                if self.history_bound(strategy, batch) <= best_value:
-                    continue
-                if expected is None:
-                    expected = history_expected() if callable(history_expected) else history_expected
-                value, strategy = self.history_speedup(strategy, batch, expected)
-            else:
-                value = self.speedup(strategy, batch, optimism=True)
-            if value > best_value:
-                best, best_value = strategy, value
-        bucket = selector_bucket(batch)
-        seen = self.plain_seen.get(bucket)
-        if best.kind != "none" and seen is not None and self.steps - seen >= self.refresh_steps:
-            best = NONE  # the bucket's plain pace is stale: measure it again before comparing against it
+        expected: Sequence[float] | None = None
+
+        def from_proposals(strategy: Strategy) -> bool:
+            return strategy.kind == "history" and history_expected is not None
+
+        def estimate(strategy: Strategy) -> Estimate[Strategy]:
+            nonlocal expected
+            if not from_proposals(strategy):
+                return self.estimate(strategy, batch)
+            if expected is None:
+                expected = history_expected() if callable(history_expected) else history_expected
+            # Valued from this step's own proposals, nothing optimistic: the speedup of the chain that pays best,
+            # given to the decider as that many tokens at the cost of one plain step (none pays: unknown)
+            value, chain = self.history_speedup(strategy, batch, expected)
+            return Estimate(chain, tokens=value, cost=1.0 if value > 0 else math.inf)
+
+        def bound(strategy: Strategy) -> float:
+            return self.history_bound(strategy, batch) if from_proposals(strategy) else math.inf
+
+        decision = self.decider.choose(batch, self.strategies, estimate, bound)
+        best = decision.arm
         if best.kind == "history" and expected is not None:
             self._history_prediction = (best, expected[best.history_tokens - 1] * batch)
-        counts = self.chosen.setdefault(bucket, {})
-        counts[best.name] = counts.get(best.name, 0) + 1
-        if self._last_choice.get(bucket) != best.name:
-            self._last_choice[bucket] = best.name
+        if decision.changed:
             self._open_decision = {"step": self.steps + 1, "batch": batch, "strategy": best.name,
-                                   "expected_speedup": round(best_value if best.kind != "none" else 1.0, 4),
+                                   "expected_speedup": round(decision.expected_speedup, 4),
                                    "relative_cost": round(self.relative_cost(best, batch), 4)}
             self.decisions.append(self._open_decision)
         return best
@@ -263,7 +308,7 @@ class StrategySelector:
         ``costed=False``: the step's seconds include a one-off (a CUDA graph captured during it): only its tokens
         are learnt from, not its cost, nor the plain pace.
         """
-        self.steps += 1
+        self.decider.step_taken()
         if self._open_decision is not None and costed:  # the step a changed choice led to: what it measured
             plain = self.profile.step_seconds(NONE, batch)
             self._open_decision.update(
@@ -284,7 +329,7 @@ class StrategySelector:
             return
         predicted = self.profile.step_seconds(strategy, batch)
         if strategy.kind == "none":
-            self.plain_seen[bucket] = self.steps
+            self.decider.plain_measured(batch)
             if math.isfinite(predicted) and predicted > 0:
                 old = self.pace.get(bucket)
                 self.pace[bucket] = log_smoothed(old, seconds / predicted, self.cost_smoothing)

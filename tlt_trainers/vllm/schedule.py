@@ -1,32 +1,26 @@
 """The speculative length per running-batch-size bucket on vLLM, chosen from what the running engine measures.
 
-``speculation="adaptive"`` means on vLLM what it means in TLT's own engine: speculate only where it pays. vLLM
-speculates with a per-batch-size schedule (its ``num_speculative_tokens_per_batch_size``: K draft tokens per
-request while b requests run, 0 = off); :class:`AdaptiveSpeculation` keeps that schedule and re-chooses it from two
-measurements, both taken from the steps the engine runs anyway (no profiling pass):
+``speculation="adaptive"`` means on vLLM what it means in TLT's own engine: speculate only where it pays, decided by
+the same rules (:class:`~tlt_trainers.adaptive.decider.SpeculationDecider`: the margin, exploration, the 0.97x floor,
+the plain refresh). vLLM speculates with a per-batch-size schedule (its ``num_speculative_tokens_per_batch_size``: K
+draft tokens per request while b requests run, 0 = off); :class:`AdaptiveSpeculation` keeps that schedule and is
+vLLM's side of the decider: its arm is the draft length, priced from two measurements taken from the steps the
+engine runs anyway (no profiling pass):
 
 * **the step cost** per power-of-two batch bucket and draft length (0 = plain), an exponential moving average of
   the seconds a decode step took (:meth:`observe_step`). Steps that mix prefill in, or that change the draft length
-  (the first step after a switch verifies the old length and proposes the new one), are not counted.
+  (the first step after a switch verifies the old length and proposes the new one), are not counted. A bucket whose
+  plain steps are not measured yet is not priced (plain decoding measures it); a length not measured in a bucket
+  costs what the plain steps over as many rows predict (TLT's cost model, :mod:`tlt_trainers.rollout.costs`), at
+  least what the nearest smaller measured bucket costs, and 1 where the plain steps do not cover its size yet.
 * **the drafter's live acceptance**, from the per-request draft and accepted-token counts vLLM's own
   ``spec_decode`` counters are made of, over a window of recent drafts. ``accepted_per_position[i] / drafts`` is
   the chance that at least i + 1 draft tokens are accepted, so a draft of length K yields
-  ``1 + sum(accepted_per_position[:K]) / drafts`` tokens per verify step.
-
-The value of length K at bucket b is ``tokens(K) * cost(b, 0) / cost(b, K)``: tokens per second relative to plain
-decoding at that batch size. K is used where that exceeds ``1 + min_gain``; plain decoding is the default wherever
-nothing is known. Exploration keeps the choice honest:
-
-* where speculation is off, K is tried for ``trial_steps`` steps when its best case pays: the acceptance measured
-  (the prior before any draft, or when the weights changed since the last draft, or no draft was made for
-  ``max_explore_interval`` steps) over the bucket's own cost ratio, or where that is not measured yet the nearest
-  smaller bucket's (cost ratios grow with the batch size), or 1. A trial that loses backs the next one off (the
-  interval doubles, up to ``max_explore_interval`` steps), so a drafter that cannot pay costs a vanishing share of
-  steps;
-* a drafter update (:meth:`note_drafter_update`) empties the acceptance window and resets the back-off: a drafter
-  that got better is tried again at once;
-* where speculation is on, the plain reference is re-measured every ``refresh_steps`` steps of that bucket
-  (contexts grow and machines drift, so only costs measured close in time compare).
+  ``1 + sum(accepted_per_position[:K]) / drafts`` tokens per verify step. Until ``trial_steps`` steps have drafted
+  (after a start, a drafter update or a weight reload) it is valued at no less than its prior, and it stands only
+  while drafts keep coming: without a draft for ``explore_interval`` steps (doubling after each such retry, up to
+  ``max_explore_interval``; a weight change resets it) the prior replaces it, so a length that lost is retried
+  after a vanishing share of steps, and a drafter that got better is found.
 
 Pure Python, no vLLM: :mod:`tlt_trainers.vllm.scheduler` feeds it from inside vLLM's scheduler.
 """
@@ -38,26 +32,31 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..adaptive.decider import DecisionRules, Estimate, SpeculationDecider
 from ..proposers.strategy import NONE, parse_strategy
 from ..rollout.costs import CostProfile, selector_bucket
 
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """What :class:`AdaptiveSpeculation` decides with; the defaults suit CPUs and GPUs alike."""
+    """What :class:`AdaptiveSpeculation` decides with; the defaults suit CPUs and GPUs alike. The rules' settings
+    (``min_gain``, ``floor``, ``explore_below``, ``refresh_steps``, ``max_speculative_batch_size``) are those of
+    :class:`~tlt_trainers.adaptive.decider.DecisionRules`, with TLT's engine's defaults."""
 
     num_speculative_tokens: int = 3
     max_speculative_batch_size: int | None = None  # never speculate above this many running requests
-    min_gain: float = 0.03  # speculate where it is expected to be at least this much faster than plain
-    trial_steps: int = 4  # measured steps of a trial (plus the one that switches)
-    refresh_steps: int = 64  # re-measure plain in a bucket after this many speculative steps there
-    explore_interval: int = 32  # steps in a bucket between trials of a length that lost (doubles after each loss)
+    min_gain: float = 0.25  # speculate where expected to be at least this much faster than plain (min_speedup - 1)
+    trial_steps: int = 4  # drafting steps before acceptance is believed over its prior (exploration's minimum)
+    refresh_steps: int = 32  # re-measure plain in a bucket when its latest plain step is this many steps old
+    explore_interval: int = 32  # steps without a draft after which acceptance is unknown again (doubles per retry)
     max_explore_interval: int = 1024
     window_drafts: int = 512  # acceptance over the most recent drafts
     cost_smoothing: float = 0.3  # weight of the newest step in a cost's moving average
     prior_accepted_per_position: tuple[float, ...] = (0.5, 0.3, 0.2, 0.1)  # before any draft: worth one trial
     drafter_share: float = 0.05  # a drafter pass per plain step over as many rows, before one is measured
     cost_cache: str = "auto"  # where measured costs are kept between runs ('auto', a directory, or 'off')
+    floor: float = 0.97  # never keep a length whose measured speedup is below this
+    explore_below: float = 1.3  # optimism about acceptance only where a step costs at most this many plain steps
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:
@@ -67,30 +66,32 @@ class SpeculationSettings:
         if self.trial_steps < 1 or self.refresh_steps < 1 or self.explore_interval < 1:
             raise ValueError("trial_steps, refresh_steps and explore_interval must be >= 1.")
 
+    def rules(self) -> DecisionRules:
+        """The shared decider's settings."""
+        return DecisionRules(min_speedup=1.0 + self.min_gain, floor=self.floor, explore_below=self.explore_below,
+                             refresh_steps=self.refresh_steps, max_batch=self.max_speculative_batch_size)
+
 
 @dataclass
 class _Cost:
     seconds: float = math.nan
     samples: int = 0
-    updated: int = -1  # bucket step at the last sample
 
 
 @dataclass
 class _Bucket:
     steps: int = 0  # decisions taken in this bucket
     length: int = 0  # the length in force
-    trial: int = 0  # steps left of a trial (or a plain refresh)
-    trial_length: int = 0
-    explore_at: int = 0  # bucket step from which the next trial may start
-    explore_interval: int = 0
     costs: dict[int, _Cost] = field(default_factory=dict)
 
 
 class AdaptiveSpeculation:
-    """Choose vLLM's draft length per batch bucket from measured step costs and live acceptance (module doc)."""
+    """Choose vLLM's draft length per batch bucket with the shared decider, priced from measured step costs and live
+    acceptance (module doc)."""
 
     def __init__(self, settings: SpeculationSettings | None = None):
         self.settings = settings or SpeculationSettings()
+        self.decider: SpeculationDecider[int] = SpeculationDecider(self.settings.rules(), 0)
         self.buckets: dict[int, _Bucket] = {}
         # The cost model of TLT's own engine (rollout/costs.py), fed with the plain steps: it predicts what a bucket
         # not measured yet costs, from the plain steps over as many rows (a verify of k + 1 tokens per request)
@@ -98,6 +99,8 @@ class AdaptiveSpeculation:
         self._drafts: deque[tuple[int, tuple[int, ...]]] = deque()  # (drafts, accepted per position) per step
         self._window = [0, [0] * self.settings.num_speculative_tokens]
         self._stale = False  # drafts seen so far belong to weights that have been replaced
+        self._drafting_steps = 0  # steps with drafts since acceptance was last unknown (exploration's count)
+        self._retries = 0  # retries after acceptance lapsed (each doubles the next interval)
         self.decisions: list[dict] = []  # changes of the length in force, with what they were decided on
         self.drafter_updates = 0
         self.steps = 0
@@ -111,10 +114,14 @@ class AdaptiveSpeculation:
             return
         if self._stale:
             self._clear_window()
+        elif self._window[0] and not self._acceptance_stands():
+            self._retries += 1  # a retry after acceptance lapsed: the next one waits twice as long
+            self._drafting_steps = 0
         k = self.settings.num_speculative_tokens
         row = tuple(int(a) for a in list(accepted_per_position)[:k]) + (0,) * max(0, k - len(accepted_per_position))
         self._drafts.append((int(drafts), row))
         self._last_draft_step = self.steps
+        self._drafting_steps += 1
         self._window[0] += int(drafts)
         self._window[1] = [a + b for a, b in zip(self._window[1], row)]
         while len(self._drafts) > 1 and self._window[0] - self._drafts[0][0] >= self.settings.window_drafts:
@@ -136,27 +143,31 @@ class AdaptiveSpeculation:
             return self._prior_tokens(length)
         return 1.0 + sum(accepted[:length]) / drafts
 
+    def _acceptance_stands(self) -> bool:
+        """Whether the window says what drafting would yield now: drafts of these weights, and recent ones."""
+        s = self.settings
+        interval = min(s.explore_interval * 2 ** min(self._retries, 30), s.max_explore_interval)
+        return bool(self._window[0]) and not self._stale and self.steps - self._last_draft_step <= interval
+
     def note_drafter_update(self) -> None:
         """The drafter's weights changed: forget its acceptance and try it again where it lost."""
         self.drafter_updates += 1
         self._clear_window()
-        for bucket in self.buckets.values():
-            bucket.explore_at = bucket.steps
-            bucket.explore_interval = 0
+        self._retries = 0
 
     def note_weights_may_have_changed(self) -> None:
         """Weights were reloaded, the policy's or the drafter's (vLLM's prefix cache was reset, as after every weight
-        sync): drafts made from now on replace the acceptance window, and the back-off restarts, so a drafter that got
-        better is tried again within ``explore_interval`` steps."""
+        sync): drafts made from now on replace the acceptance window, which is not believed until then (the prior
+        stands in), and the back-off restarts, so a drafter that got better is tried again."""
         self._stale = True
-        for bucket in self.buckets.values():
-            bucket.explore_interval = 0
-            bucket.explore_at = min(bucket.explore_at, bucket.steps + self.settings.explore_interval)
+        self._drafting_steps = 0
+        self._retries = 0
 
     def _clear_window(self) -> None:
         self._drafts.clear()
         self._window = [0, [0] * self.settings.num_speculative_tokens]
         self._stale = False
+        self._drafting_steps = 0
 
     # ----------------------------------------------------------------- costs
     def _bucket(self, batch: int) -> _Bucket:
@@ -171,9 +182,9 @@ class AdaptiveSpeculation:
         alpha = self.settings.cost_smoothing
         cost.seconds = seconds if cost.samples == 0 else (1 - alpha) * cost.seconds + alpha * seconds
         cost.samples += 1
-        cost.updated = bucket.steps
         if length == 0:
             self.profile.observe_plain(batch, seconds)
+            self.decider.plain_measured(batch)
 
     def _cost(self, bucket_key: int, length: int) -> float:
         cost = self.buckets.get(bucket_key, _Bucket()).costs.get(length)
@@ -183,49 +194,46 @@ class AdaptiveSpeculation:
         """cost(length) / cost(plain) measured at this bucket (NaN where either is not measured)."""
         return self._cost(bucket_key, length) / self._cost(bucket_key, 0)
 
+    def relative_cost(self, batch: int, length: int) -> float:
+        """A step of ``length`` per plain step at this batch size, as the decisions price it: measured where both
+        are, predicted where the length is not (:meth:`_unmeasured_ratio`), unknown (inf) where plain is not. Never
+        below 1, as in TLT's engine: a speculative step does a plain step's work and more, so a ratio that reads
+        lower is a burst of slowness during the plain steps (a busy machine's noise is one-sided)."""
+        key = selector_bucket(batch)
+        if math.isnan(self._cost(key, 0)):
+            return math.inf
+        own = self.cost_ratio(key, length)
+        return max(own if not math.isnan(own) else self._unmeasured_ratio(key, batch, length), 1.0)
+
     def value(self, batch: int, length: int) -> float:
         """Expected tokens per second relative to plain decoding at this batch size (NaN: cost unknown)."""
         return 1.0 if length == 0 else self.expected_tokens(length) / self.cost_ratio(selector_bucket(batch), length)
 
     # ----------------------------------------------------------------- decisions
+    def estimate(self, batch: int, length: int) -> Estimate[int]:
+        """The length's price for the decider: acceptance from the window while it stands (else the prior), valued
+        at no less than the prior for the first ``trial_steps`` drafting steps; the cost of :meth:`relative_cost`."""
+        stands = self._acceptance_stands()
+        prior = self._prior_tokens(length)
+        tokens = self.expected_tokens(length) if stands else prior
+        exploring = not stands or self._drafting_steps < self.settings.trial_steps
+        samples = self.buckets.get(selector_bucket(batch), _Bucket()).costs.get(length, _Cost()).samples
+        return Estimate(length, tokens=tokens, cost=self.relative_cost(batch, length),
+                        optimistic_tokens=max(tokens, prior) if exploring else None,
+                        measured=not exploring and samples >= self.settings.trial_steps)
+
     def choose(self, batch: int) -> int:
         """The draft length for a step of ``batch`` running requests (0: plain)."""
-        s, k = self.settings, self.settings.num_speculative_tokens
+        k = self.settings.num_speculative_tokens
         self.steps += 1
-        key = selector_bucket(batch)
         bucket = self._bucket(batch)
         bucket.steps += 1
-        if s.max_speculative_batch_size is not None and batch > s.max_speculative_batch_size:
-            return self._set(key, bucket, 0, "above max_speculative_batch_size")
-        if bucket.trial > 0:
-            bucket.trial -= 1
-            return self._set(key, bucket, bucket.trial_length, "trial" if bucket.trial_length else "plain refresh")
-        plain = bucket.costs.get(0)
-        if plain is None or plain.samples == 0:
-            return self._set(key, bucket, 0, "measuring plain")
-        own = self.cost_ratio(key, k)
-        if bucket.length == k:  # on: keep it while it pays, re-measuring plain now and then
-            if bucket.steps - plain.updated > s.refresh_steps:
-                return self._start(key, bucket, 0, "plain refresh")
-            value = self.expected_tokens(k) / own
-            if value >= 1.0 + s.min_gain:
-                return self._set(key, bucket, k, f"pays ({value:.2f}x)")
-            return self._lost(key, bucket, value)
-        if bucket.steps < bucket.explore_at:
-            return self._set(key, bucket, 0, "off")
-        # off: try it where its best case pays; a bucket not measured yet costs what the plain steps predict, and at
-        # least what the nearest smaller measured bucket costs (cost ratios grow with the batch size)
-        ratio = own if not math.isnan(own) else self._unmeasured_ratio(key, batch)
-        tokens = self.expected_tokens(k)
-        if self._stale or self.steps - self._last_draft_step > s.max_explore_interval:
-            tokens = max(tokens, self._prior_tokens(k))  # weights changed since the last draft: acceptance unknown
-        value = tokens / ratio
-        if value >= 1.0 + s.min_gain:
-            return self._start(key, bucket, k, f"trial (best case {value:.2f}x)")
-        return self._set(key, bucket, 0, "off")
+        decision = self.decider.choose(batch, (k,), lambda length: self.estimate(batch, length))
+        self.decider.step_taken()
+        return self._set(decision.bucket, bucket, decision.arm, decision.reason)
 
-    def _unmeasured_ratio(self, key: int, batch: int) -> float:
-        k = self.settings.num_speculative_tokens
+    def _unmeasured_ratio(self, key: int, batch: int, length: int | None = None) -> float:
+        k = self.settings.num_speculative_tokens if length is None else length
         known = [b for b in self.buckets if b < key and not math.isnan(self.cost_ratio(b, k))]
         smaller = self.cost_ratio(max(known), k) if known else 1.0
         if not self.profile.plain or batch * (k + 1) > max(self.profile.plain):
@@ -253,23 +261,15 @@ class AdaptiveSpeculation:
                     continue
                 if key_ >= 1 and 0 <= length_ and math.isfinite(seconds) and seconds > 0 and samples >= 1:
                     bucket = self.buckets.setdefault(key_, _Bucket())
-                    bucket.costs[length_] = _Cost(seconds, samples, -self.settings.refresh_steps - 1)
+                    bucket.costs[length_] = _Cost(seconds, samples)
+                    if length_ == 0:
+                        self.decider.plain_seen[key_] = self.decider.steps - self.settings.refresh_steps
         if isinstance(data.get("profile"), dict):
             self.profile.merge_dict(data["profile"])
 
     def _prior_tokens(self, length: int) -> float:
         prior = self.settings.prior_accepted_per_position
         return 1.0 + sum(prior[i] if i < len(prior) else 0.0 for i in range(length))
-
-    def _start(self, key: int, bucket: _Bucket, length: int, reason: str) -> int:
-        bucket.trial, bucket.trial_length = self.settings.trial_steps, length
-        return self._set(key, bucket, length, reason)
-
-    def _lost(self, key: int, bucket: _Bucket, value: float) -> int:
-        interval = bucket.explore_interval * 2 if bucket.explore_interval else self.settings.explore_interval
-        bucket.explore_interval = min(interval, self.settings.max_explore_interval)
-        bucket.explore_at = bucket.steps + bucket.explore_interval
-        return self._set(key, bucket, 0, f"loses ({value:.2f}x)")
 
     def _set(self, key: int, bucket: _Bucket, length: int, reason: str) -> int:
         self.speculative_steps += length > 0
