@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from batch_sweep import SWEEP_HEADERS, batch_sweep, sweep_summary  # noqa: E402
 from common import completion_mask, encode, math_prompts, print_table, warm_drafter, write_results  # noqa: E402
 
-from tlt_trainers import EagleDrafter, SpeculativeGenerator, TLTConfig  # noqa: E402
+from tlt_trainers import Drafter, SpeculativeGenerator, TLTConfig  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.rollout.stats import BUCKETS, bucket_name  # noqa: E402
 
@@ -330,7 +330,7 @@ def main():
     drafter, warm_info = None, None
     if spec_engines:
         if args.drafter:
-            drafter, warm_info = EagleDrafter.from_pretrained(args.drafter, target=model), {"path": args.drafter}
+            drafter, warm_info = Drafter.from_pretrained(args.drafter, target=model), {"path": args.drafter}
         else:
             if args.warmup_dataset == "gsm_symbolic":  # bench_decode.py's arguments, so its cache is reused
                 task, cache_name = {}, f"bench-smollm2-v{args.draft_vocab}-p{args.warmup_prompts}"
