@@ -5,13 +5,13 @@ made the most micro-steps (ties: the lowest rank). TRL's ranks are one torch.dis
 bit-identical between updates, checkpoints are written by the main process only, and a resumed run must continue
 as the uninterrupted one would: the optimizer's moments have to belong to the weights they step. A broadcast of one
 rank's drafter and Adam state does that in one collective; an average of weights would leave every rank's moments
-describing weights nobody has. In TRL the rank that trained most is the one that waited longest (the others
-trained for the fraction of its wait they had), so the other ranks' few steps are the only thing dropped.
+describing weights nobody has. The rank that trained most is the one that finished first and waited longest; what
+is dropped is the fewer steps of the ranks that waited less.
 
 ``MergeRule.STEP_WEIGHTED_AVERAGE`` (veRL): the parameter-wise average of the drafters that trained, each weighted
 by its micro-steps since the last merge (local SGD's merge). veRL's rollout replicas are separate Ray actors on
-disjoint shards of the batch, and several of them are idle at once while the slowest finishes, so their steps are
-comparable and each has learned from rollouts the others never saw; averaging keeps what every replica learned.
+disjoint shards of the batch, often several idle at once while the slowest finishes, and each has learned from
+rollouts the others never saw; averaging keeps what every replica learned, in proportion to its steps.
 Their states travel through the driver anyway (no collective joins them), the optimizer state stays with each
 replica (shipping it too would triple the payload), and veRL checkpoints one replica's drafter.
 
