@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--speculation", default="always")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--max-idle-seconds", type=float, default=120.0, help="0: no drafter training")
+    parser.add_argument("--max-idle-seconds", type=float, default=120.0,
+                        help="0: no idle-time training (the drafter trains after the rollout instead)")
     parser.add_argument("--vllm", action="store_true", help="TRL's colocated vLLM engine, real SmolLM2-135M")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)

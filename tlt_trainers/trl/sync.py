@@ -17,13 +17,12 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-# Columns of the table every rank contributes one row to, once per rollout.
-STAT_FIELDS = (
+from ..online import REPORT_FIELDS, DrafterPayload, DrafterTransport, SliceReport
+
+# Columns of the table every rank contributes one row to, once per rollout: the rollout's figures, then what its
+# idle training slice did (SliceReport's fields).
+ROLLOUT_FIELDS = (
     "rollout_seconds",  # this rank's rollout, from the start of _generate to the end of its generation
-    "steps",  # drafter micro-steps this rank made in this update
-    "loss",  # their mean loss (nan without steps)
-    "top1",  # their mean top-1 agreement with the policy (nan without steps)
-    "train_seconds",  # seconds this rank spent training the drafter
     "wait_seconds",  # seconds from posting its arrival until every rank had arrived
     "emitted_tokens",  # tokens emitted by decode steps (acceptance = emitted / row_forwards)
     "row_forwards",
@@ -32,8 +31,8 @@ STAT_FIELDS = (
     "decode_steps",
     "speculative_steps",
     "history_proposed",  # draft tokens proposed from rollout history
-    "total_steps",  # the drafter trainer's step counter after this update
 )
+STAT_FIELDS = ROLLOUT_FIELDS + REPORT_FIELDS
 COLUMN = {name: i for i, name in enumerate(STAT_FIELDS)}
 # A rank whose arrival completes the all-reduce should not start a drafter micro-step (and make the others
 # wait for it) only because the completion has not been observed yet.
@@ -118,10 +117,14 @@ class RankGroup:
         return torch.stack(rows)
 
     @staticmethod
-    def source(table: torch.Tensor) -> int:
-        """The rank whose drafter everyone keeps: most micro-steps this update, ties to the lowest rank."""
-        steps = table[:, COLUMN["steps"]]
-        return int((steps == steps.max()).nonzero()[0, 0])
+    def reports(table: torch.Tensor) -> list[SliceReport]:
+        """Every rank's SliceReport from a gathered table of STAT_FIELDS rows."""
+        first = COLUMN[REPORT_FIELDS[0]]
+        return [SliceReport.from_row(row[first:first + len(REPORT_FIELDS)].tolist()) for row in table]
+
+    def gather_reports(self, report: SliceReport) -> list[SliceReport]:
+        """Every rank's SliceReport, in rank order."""
+        return [SliceReport.from_row(row.tolist()) for row in self.gather(report.as_row())]
 
     # ------------------------------------------------------------------ drafter state
     def broadcast_drafter(self, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer | None, src: int) -> None:
@@ -186,3 +189,35 @@ class RankGroup:
                 with torch.no_grad():
                     for tensor, value in zip(members, _unflatten_dense_tensors(flat, members)):
                         tensor.copy_(value)
+
+
+class RankDrafterTransport(DrafterTransport):
+    """The drafter-update transport between TRL's ranks: torch.distributed collectives on the RankGroup's gloo
+    group (a no-op in a single process). ``steps``: the micro-steps this rank made in this update."""
+
+    def __init__(self, ranks: RankGroup, drafter: torch.nn.Module, trainer, steps: int, draft_vocab_ready: bool):
+        self.ranks, self.drafter, self.trainer = ranks, drafter, trainer
+        self.steps, self.draft_vocab_ready = steps, draft_vocab_ready
+
+    def share_from(self, source: int, total_steps: int) -> None:
+        """Broadcast ``source``'s drafter and optimizer state: every rank continues bit-identical to it."""
+        if self.ranks.distributed:
+            self.ranks.broadcast_drafter(self.drafter, self.trainer.optimizer, source)
+            self.trainer.step = total_steps
+
+    def collect(self) -> list[DrafterPayload | None]:
+        payload: DrafterPayload = {"state": {k: v.detach().cpu() for k, v in self.drafter.state_dict().items()},
+                                   "steps": self.steps, "total_steps": self.trainer.step,
+                                   "draft_vocab_ready": self.draft_vocab_ready}
+        if not self.ranks.distributed:
+            return [payload]
+        payloads: list[DrafterPayload | None] = [None] * self.ranks.world
+        dist.all_gather_object(payloads, payload, group=self.ranks.group)
+        return payloads
+
+    def load_everywhere(self, payload: DrafterPayload) -> None:
+        self.drafter.load_state_dict(payload["state"])
+        if hasattr(self.drafter, "_head_cache"):
+            self.drafter._head_cache = None
+        self.trainer.step = max(self.trainer.step, int(payload["total_steps"]))
+        self.steps = 0

@@ -42,12 +42,23 @@ from ..drafter.base import Drafter
 from ..drafter.trainer import TRAINER_STATE
 from ..kinds.setup import rollout_drafter
 from ..modeling.features import capture_features
+from ..online import (
+    IDLE,
+    POST_ROLLOUT,
+    MergeRule,
+    SliceReport,
+    after_rollout_budget,
+    finish_update,
+    train_slice,
+    update_metrics,
+    waited_seconds,
+)
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import effective_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
 from .stock_generation import generation_settings, replaced_generate, stock_generation_reason
-from .sync import COLUMN, STAT_FIELDS, RankGroup
+from .sync import COLUMN, ROLLOUT_FIELDS, RankDrafterTransport, RankGroup
 
 logger = logging.get_logger(__name__)
 
@@ -511,7 +522,9 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ drafter updates
     def _tlt_after_rollout(self) -> None:
-        """Once per ``_generate`` on every rank: train the drafter in idle time, reconcile, log, fire callbacks."""
+        """Once per ``_generate`` on every rank: train the drafter in idle time, then the update cycle
+        (:func:`~tlt_trainers.online.finish_update`: the fallback, the merge by ``most_trained``), log, fire
+        callbacks."""
         if not self._tlt_pending:
             return
         self._tlt_pending = False
@@ -519,90 +532,71 @@ class TLTGRPOTrainer(GRPOTrainer):
         if not self.model.training:
             self._tlt_log_generation("eval", counters)
             return
-        settings, ranks = self.tlt_settings, self._tlt_ranks
+        settings, ranks, trainer = self.tlt_settings, self._tlt_ranks, self.drafter_trainer
         rollout_seconds = time.perf_counter() - self._tlt_rollout_start
         posted = time.perf_counter()
         work = ranks.post_arrival(rollout_seconds)
         costs_timed: list[int] = []
+        idle = {}
         if ranks.distributed and self._tlt_trains_at_generation_end:  # train while slower ranks still generate
             if self._tlt_engine is not None:  # first time what the engine has not timed yet: the idle time is free
                 with self._tlt_unwrapped() as unwrapped, self._tlt_autocast(_policy_of(unwrapped)):
                     costs_timed = self._tlt_engine.measure_costs(
                         IDLE_COST_TIMING_SHARE * settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
-            update = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
-        elif self.use_vllm and not self._tlt_vllm_serves_drafter:
-            update = {}  # vLLM runs without the drafter: training it here would only cost time
-        else:  # nobody to wait for: a budget proportional to the rollout, at least one micro-step
-            budget = min(settings.drafter_update_seconds, settings.drafter_update_fraction * rollout_seconds)
-            update = self._tlt_train_drafter(budget, None, at_least_one=True)
+            idle = self._tlt_train_drafter(settings.drafter_max_idle_seconds, lambda: ranks.arrived(work))
         ranks.wait(work)
         waited = time.perf_counter() - posted
-        steps = update.get("steps", 0)
-        row = dict(rollout_seconds=rollout_seconds, steps=steps, loss=update.get("loss", float("nan")),
-                   top1=update.get("top1", float("nan")), train_seconds=update.get("seconds", 0.0),
-                   wait_seconds=waited, total_steps=self.drafter_trainer.step if self.drafter_trainer else 0,
-                   **counters)
-        sync_start = time.perf_counter()
-        table = ranks.gather([float(row[name]) for name in STAT_FIELDS])
-        src = ranks.source(table)
-        anyone_trained = bool(table[:, COLUMN["steps"]].max() > 0)
-        if anyone_trained and ranks.distributed:
-            ranks.broadcast_drafter(self.drafter, self.drafter_trainer.optimizer, src)
-            self.drafter_trainer.step = int(table[src, COLUMN["total_steps"]])
-        if anyone_trained:
-            self._tlt_draft_vocab_ready = True
-        sync_seconds = time.perf_counter() - sync_start
-        push_seconds = self._tlt_push_drafter() if anyone_trained else 0.0
+        total_steps = trainer.step if trainer is not None else 0
+        local_idle = SliceReport.from_metrics(idle, total_steps=total_steps, costs_timed=len(costs_timed))
+        row = dict(rollout_seconds=rollout_seconds, wait_seconds=waited, **counters)
+        table = ranks.gather([float(row[name]) for name in ROLLOUT_FIELDS] + local_idle.as_row())
+        column = {name: table[:, COLUMN[name]] for name in ROLLOUT_FIELDS}
 
-        self._tlt_log_generation("train", {name: float(table[:, COLUMN[name]].sum()) for name in counters})
-        column = {name: table[:, COLUMN[name]] for name in STAT_FIELDS}
-        idle = column["train_seconds"].sum().item() if ranks.distributed else 0.0
+        budget = after_rollout_budget(settings, rollout_seconds)
+        fallback = None
+        # No fallback without a drafter trainer, or where vLLM runs without the drafter (training would only cost time)
+        if budget is not None and trainer is not None and not (self.use_vllm and not self._tlt_vllm_serves_drafter):
+            def fallback() -> list[SliceReport]:
+                update = self._tlt_train_drafter(budget, at_least_one=True)
+                return ranks.gather_reports(SliceReport.from_metrics(update, total_steps=trainer.step))
+
+        transport = RankDrafterTransport(ranks, self.drafter, trainer, local_idle.steps, self._tlt_draft_vocab_ready)
+        outcome = finish_update(ranks.reports(table), transport, MergeRule.MOST_TRAINED, fallback)
+        merged = outcome.merged
+        if merged is not None:
+            self._tlt_draft_vocab_ready = True
+        push_seconds = self._tlt_push_drafter() if merged is not None else 0.0
+
+        self._tlt_log_generation("train", {name: float(column[name].sum()) for name in counters})
         metrics = self._metrics["train"]
         metrics[metric.ROLLOUT_SECONDS].append(column["rollout_seconds"].max().item())
-        metrics[metric.DRAFTER_IDLE_SECONDS].append(idle)
-        metrics[metric.IDLE_SECONDS].append(
-            (column["rollout_seconds"].max() - column["rollout_seconds"]).sum().item())
-        metrics[metric.DRAFTER_UPDATE_SECONDS].append(column["train_seconds"].max().item())
-        metrics[metric.DRAFTER_STEPS].append(column["steps"][src].item())
-        metrics[metric.DRAFTER_LOSS].append(column["loss"][src].item())
-        metrics[metric.DRAFTER_TOP1].append(column["top1"][src].item())
-        metrics[metric.DRAFTER_SYNC_SECONDS].append(sync_seconds)
-        if ranks.distributed:  # batch sizes whose passes this rank timed in its idle time (once each; then cached)
-            metrics[metric.COST_BATCH_SIZES_TIMED].append(float(len(costs_timed)))
+        metrics[metric.IDLE_SECONDS].append(waited_seconds(column["rollout_seconds"].tolist()))
+        for name, value in update_metrics(outcome).items():
+            metrics[name].append(value)
         if self._tlt_vllm_sync is not None:
             metrics[metric.DRAFTER_UPDATES_LOADED].append(float(self._tlt_vllm_pushes))
             metrics[metric.DRAFTER_PUSH_SECONDS].append(push_seconds)
         if self._tlt_vllm_scheduler is not None:
             self._tlt_log_vllm_schedule(metrics)
 
-        if anyone_trained:
-            trigger = "idle" if ranks.distributed and steps > 0 else "post_rollout"
+        if merged is not None:
+            local = outcome.trained[ranks.rank]
+            trigger = IDLE if outcome.trigger == IDLE and local.steps > 0 else POST_ROLLOUT
             self._tlt_fire_drafter_update(trigger, {
-                "steps": steps, "loss": row["loss"], "seconds": row["train_seconds"], "top1": row["top1"],
-                "wait_seconds": waited, "rollout_seconds": rollout_seconds, "source_rank": src,
-                "source_steps": int(column["steps"][src].item()), "total_steps": self.drafter_trainer.step,
-                "buffer_sequences": len(self.drafter_trainer.buffer),
-                "buffer_bytes": self.drafter_trainer.buffer.nbytes, "costs_timed": costs_timed,
+                "steps": local.steps, "loss": local.loss, "seconds": local.seconds, "top1": local.top1,
+                "wait_seconds": waited, "rollout_seconds": rollout_seconds, "source_rank": merged.source,
+                "source_steps": merged.steps, "total_steps": trainer.step,
+                "buffer_sequences": len(trainer.buffer), "buffer_bytes": trainer.buffer.nbytes,
+                "costs_timed": costs_timed,
             })
 
     def _tlt_train_drafter(self, max_seconds: float, should_stop=None, at_least_one: bool = False) -> dict:
-        trainer = self.drafter_trainer
-        max_steps = self.tlt_settings.drafter_max_steps_per_update
-        if trainer is None or len(trainer.buffer) == 0 or max_steps == 0 or max_seconds <= 0:
+        """This rank's training slice (:func:`~tlt_trainers.online.train_slice`); ``{}`` without a drafter."""
+        if self.drafter_trainer is None:
             return {}
-        if should_stop is not None and should_stop():
-            return {}
-        if at_least_one:
-            first, deadline = trainer.step, time.perf_counter() + max_seconds
-            max_seconds = None
-
-            def should_stop():
-                return trainer.step > first and time.perf_counter() >= deadline
-
-        if not self._tlt_draft_vocab_ready:
-            trainer.rebuild_draft_vocab()
-        with torch.enable_grad():
-            return trainer.train(max_steps=max_steps, max_seconds=max_seconds, should_stop=should_stop)
+        return train_slice(self.drafter_trainer, max_seconds, max_steps=self.tlt_settings.drafter_max_steps_per_update,
+                           at_least_one=at_least_one, interrupted=should_stop,
+                           rebuild_draft_vocab=not self._tlt_draft_vocab_ready)
 
     def _tlt_log_generation(self, mode: str, counters: dict) -> None:
         metrics = self._metrics[mode]

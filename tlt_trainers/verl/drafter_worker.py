@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Iterator
 
 import torch
@@ -34,6 +33,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from ..drafter.export import export_vllm, vllm_weights
 from ..kinds.setup import rollout_drafter
+from ..online import train_slice
 from ..vllm.sync import _torch_dtype
 from .settings import TLTSection
 from .vllm import drafter_export_dir, drafter_trains, num_speculative_tokens
@@ -182,13 +182,9 @@ class DrafterOwner:
                                f"sync (saw {sorted(self.shell.seen)} of the names {sorted(self.shell.names)}); "
                                "TLT's drafter needs full (merged) weights: set actor_rollout_ref.model.lora.merge=True "
                                "with LoRA.")
-        first, deadline = trainer.step, time.perf_counter() + max(0.0, max_seconds)
-        if not self.draft_vocab_ready:
-            trainer.rebuild_draft_vocab()
-            self.draft_vocab_ready = True
-        with torch.enable_grad():
-            metrics = trainer.train(max_steps=max_steps, should_stop=lambda: trainer.step > first and
-                                    time.perf_counter() >= deadline)
+        metrics = train_slice(trainer, max_seconds, max_steps=max_steps, at_least_one=True,
+                              rebuild_draft_vocab=not self.draft_vocab_ready)
+        self.draft_vocab_ready = True
         if metrics.get("steps", 0):
             self.version += 1
         return metrics

@@ -3,49 +3,33 @@
 A rollout step splits the batch over the agent-loop workers and waits for all of them. While it waits
 (``ray.wait`` over the workers' futures, waking every ``POLL_SECONDS``), every ``tlt`` replica that has
 served its requests and has nothing queued trains its drafter; a new request stops it within one
-micro-step. When all workers are done the manager stops the training, trains after the rollout instead if
-no replica was ever idle (``post_rollout``: a budget proportional to the rollout), averages the drafters
-that trained (weighted by their steps) and loads the result into every replica, so the next rollout
-drafts with it. The step's ``tlt/*`` metrics wait in :attr:`last_metrics` for the trainer to log.
+micro-step. When all workers are done the manager stops the training and hands the rest to the update cycle
+of :mod:`tlt_trainers.online`: train after the rollout instead if no replica trained in idle time
+(``post_rollout``: a budget proportional to the rollout), average the drafters that trained (weighted by
+their steps, :data:`~tlt_trainers.online.MergeRule.STEP_WEIGHTED_AVERAGE`) and load the result into every
+replica, so the next rollout drafts with it. The step's ``tlt/*`` metrics wait in :attr:`last_metrics` for
+the trainer to log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import numpy as np
 import ray
-import torch
 from verl.experimental.agent_loop import AgentLoopManager
 from verl.protocol import DataProto
 from verl.utils.ray_utils import auto_await
 from verl.utils.skip import SkipManager
 
 from .. import metric_names as metric
+from ..online import MergeRule, SliceReport, after_rollout_budget, finish_update, update_metrics, waited_seconds
+from .drafter_transport import RayDrafterTransport
 from .replica import server_name
 from .settings import TLTSection
 
 POLL_SECONDS = 0.25
-
-
-def average_states(payloads: list[dict]) -> dict | None:
-    """Parameter-wise average of the drafters that trained, weighted by their steps (local SGD's merge)."""
-    trained = [p for p in payloads if p is not None and p["steps"] > 0]
-    if not trained:
-        return None
-    if len(trained) == 1:
-        return trained[0]
-    total = sum(p["steps"] for p in trained)
-    state = {}
-    for name, first in trained[0]["state"].items():
-        if not torch.is_floating_point(first):
-            state[name] = first
-            continue
-        state[name] = sum(p["state"][name].float() * (p["steps"] / total) for p in trained).to(first.dtype)
-    return {"state": state, "steps": total, "total_steps": max(p["total_steps"] for p in trained),
-            "draft_vocab_ready": any(p.get("draft_vocab_ready") for p in trained)}
 
 
 def find_servers() -> list:
@@ -113,34 +97,30 @@ class TLTAgentLoopManager(AgentLoopManager):
         return output
 
     async def _update_drafters(self, servers, training, stats, rollout_seconds, finished_workers) -> dict:
+        """Stop the idle slices, then the update cycle (:func:`~tlt_trainers.online.finish_update`: the fallback on
+        every replica when none trained in idle time, the merge by ``step_weighted_average``), in a thread: the
+        transport's Ray calls block."""
         await asyncio.gather(*[s.stop_training.remote() for s in servers])
         idle_results = {rank: await ref for rank, ref in training.items()}
-        idle_steps = sum(r.get("steps", 0) for r in idle_results.values())
-        trigger, results = "idle", idle_results
-        post_seconds = 0.0
-        if idle_steps == 0 and self.tlt.speculation != "never":
-            trigger = "post_rollout"
-            budget = min(self.tlt.drafter_update_seconds, self.tlt.drafter_update_fraction * rollout_seconds)
-            t0 = time.perf_counter()
-            post = await asyncio.gather(*[s.train_drafter.remote(budget, at_least_one=True) for s in servers])
-            post_seconds = time.perf_counter() - t0
-            results = dict(enumerate(post))
-        sync_start = time.perf_counter()
-        payloads = await asyncio.gather(*[s.drafter_state.remote() for s in servers])
-        merged = average_states(payloads)
-        if merged is not None:
-            await asyncio.gather(*[s.load_drafter_state.remote(merged) for s in servers])
+
+        def report(result: dict, rank: int) -> SliceReport:
+            return SliceReport.from_metrics(result, total_steps=stats[rank].get("drafter_total_steps", 0))
+
+        idle = [report(idle_results.get(rank, {}), rank) for rank in range(len(servers))]
+        budget = after_rollout_budget(self.tlt, rollout_seconds) if self.tlt.speculation != "never" else None
+        fallback = None
+        if budget is not None:
+            def fallback() -> list[SliceReport]:
+                results = ray.get([s.train_drafter.remote(budget, at_least_one=True) for s in servers])
+                return [report(result, rank) for rank, result in enumerate(results)]
+
+        outcome = await asyncio.to_thread(finish_update, idle, RayDrafterTransport(servers),
+                                          MergeRule.STEP_WEIGHTED_AVERAGE, fallback)
+        if outcome.merged is not None:
             self.drafter_updates += 1
-        sync_seconds = time.perf_counter() - sync_start
 
         def total(name):
             return float(sum(s.get(name, 0) for s in stats))
-
-        trained = [r for r in results.values() if r.get("steps", 0) > 0]
-
-        def mean_of(name):
-            values = [r[name] for r in trained if isinstance(r.get(name), float) and math.isfinite(r[name])]
-            return float(np.mean(values)) if values else float("nan")
 
         rows = total("row_forwards")
         return {
@@ -149,20 +129,9 @@ class TLTAgentLoopManager(AgentLoopManager):
             metric.HISTORY_PROPOSED_TOKENS: total("history_proposed"),
             metric.ROLLOUT_SECONDS: rollout_seconds,
             # worker-seconds spent waiting for the slowest agent-loop worker: the time TLT trains in
-            metric.IDLE_SECONDS: float(sum(max(finished_workers) - t for t in finished_workers)) if finished_workers
-            else 0.0,
-            metric.DRAFTER_IDLE_SECONDS: float(sum(r.get("seconds", 0.0) for r in idle_results.values())),
-            metric.DRAFTER_UPDATE_SECONDS: post_seconds,
-            metric.DRAFTER_STEPS: float(sum(r.get("steps", 0) for r in results.values())),
-            metric.DRAFTER_LOSS: mean_of("loss"),
-            metric.DRAFTER_TOP1: mean_of("top1"),
-            metric.DRAFTER_SYNC_SECONDS: sync_seconds,
-            metric.DRAFTER_TRIGGER_IDLE: 1.0 if trigger == "idle" and merged is not None else 0.0,
-            metric.DRAFTER_TOTAL_STEPS: float(merged["total_steps"] if merged is not None
-                                             else max((s.get("drafter_total_steps", 0) for s in stats), default=0)),
+            metric.IDLE_SECONDS: waited_seconds(finished_workers),
             metric.HISTORY_BYTES: total("history_bytes"),
-            # batch sizes whose passes idle replicas timed for the adaptive engine (once each; then cached)
-            metric.COST_BATCH_SIZES_TIMED: float(sum(len(r.get("costs_timed", ())) for r in idle_results.values())),
+            **update_metrics(outcome),
         }
 
     def pop_metrics(self) -> dict[str, float]:

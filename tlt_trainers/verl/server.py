@@ -28,6 +28,7 @@ import torch
 from ..drafter.base import Drafter
 from ..drafter.trainer import DrafterTrainer
 from ..kinds.setup import rollout_drafter
+from ..online import train_slice
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import SamplingParams, process_logits
@@ -462,27 +463,19 @@ class TLTRolloutServer:
             return await asyncio.to_thread(self._train, max_seconds, at_least_one)
 
     def _train(self, max_seconds: float, at_least_one: bool) -> dict:
-        trainer, settings = self.trainer, self.settings
-        first, deadline = trainer.step, time.perf_counter() + max_seconds
-
-        def should_stop() -> bool:
-            if at_least_one and trainer.step == first:
-                return False
-            return self._interrupt.is_set() or time.perf_counter() >= deadline
-
+        """One training slice (:func:`~tlt_trainers.online.train_slice`), stopped by a new request. In idle time the
+        engine first times the passes it has not timed yet (free here), within the slice's ``max_seconds``."""
+        start = time.perf_counter()
         costs_timed = []
-        if not at_least_one:  # idle time: first time the engine's passes it has not timed yet (free here)
+        if not at_least_one:
             costs_timed = self.engine.measure_costs(IDLE_COST_TIMING_SHARE * max_seconds, self._interrupt.is_set)
-        if not self._draft_vocab_ready:
-            trainer.rebuild_draft_vocab()
+        metrics = train_slice(self.trainer, max_seconds - (time.perf_counter() - start),
+                              max_steps=self.settings.drafter_max_steps_per_update, at_least_one=at_least_one,
+                              interrupted=self._interrupt.is_set, rebuild_draft_vocab=not self._draft_vocab_ready)
+        if metrics:  # the slice ran, so the draft vocabulary has been chosen
             self._draft_vocab_ready = True
-        with torch.enable_grad():
-            metrics = trainer.train(max_steps=settings.drafter_max_steps_per_update, max_seconds=None,
-                                    should_stop=should_stop)
-        metrics["costs_timed"] = costs_timed
-        self.drafter.eval()
         self.steps_since_sync += metrics.get("steps", 0)
-        return metrics
+        return {**metrics, "costs_timed": costs_timed}
 
     async def stop_training(self) -> None:
         """End a running training slice at its next micro-step (the rollout is over)."""

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from .. import metric_names as metric
+from ..online import after_rollout_budget
 from .manager import TLTAgentLoopManager, find_servers
 from .replica import BACKEND, register
 from .settings import TLTSection
@@ -124,7 +125,7 @@ class TLTPPOTrainer(RayPPOTrainer):
         if not drafter_trains(tlt):
             self._tlt_drafter_metrics = {metric.ROLLOUT_SECONDS: rollout_seconds, metric.DRAFTER_STEPS: 0.0}
             return
-        budget = min(tlt.drafter_update_seconds, tlt.drafter_update_fraction * rollout_seconds)
+        budget = after_rollout_budget(tlt, rollout_seconds)
         start = time.perf_counter()
         results = self.actor_rollout_wg.tlt_train_drafter(budget)
         result = next((r for r in results if r), {})

@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from ..online import trains_after_rollout
 from ..vllm.config import speculation_schedule
 from .settings import TLTSection
 
@@ -46,8 +47,7 @@ def num_speculative_tokens(section: TLTSection) -> int:
 def drafter_trains(section: TLTSection) -> bool:
     """Whether the drafter trains during RL: tlt.speculation, drafter_update_seconds, drafter_update_fraction and
     drafter_max_steps_per_update all leave it on (0 switches each off)."""
-    return (section.speculation != "never" and section.drafter_update_seconds > 0
-            and section.drafter_update_fraction > 0 and section.drafter_max_steps_per_update != 0)
+    return section.speculation != "never" and trains_after_rollout(section)
 
 
 def drafter_export_dir(rollout: Any) -> str | None:
