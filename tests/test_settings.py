@@ -12,14 +12,13 @@ import pytest
 from tlt_trainers.config import TLTConfig
 from tlt_trainers.settings import (
     TRL_ONLY,
-    VERL_YAML,
     DrafterSettings,
     RolloutServerSettings,
     TLTSettings,
-    generated_files,
     setting_fields,
     with_settings,
 )
+from tlt_trainers.settings.generated import VERL_YAML, generated_files
 
 # A value other than the default for every engine setting. A new TLTConfig field fails
 # test_every_engine_setting_has_a_value_here until it is added here, and is then checked to reach both trainers.
