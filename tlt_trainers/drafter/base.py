@@ -29,8 +29,6 @@ from .files import StagedFiles, load_weights, staged_save
 from .hub import download_drafter, push_drafter
 from .registry import is_registered, kind_of, read_other_layout
 
-EXPORT_LAYOUTS = ("speculators", "vllm", "sglang")  # the built-in kinds' (each kind's record has its own)
-
 
 class _TargetModules:
     """Plain holder so that the policy's modules are not registered as the drafter's submodules."""
@@ -259,11 +257,12 @@ class Drafter(nn.Module, ABC):
         return drafter
 
     def export(self, out_dir: str | os.PathLike, layout: str, verifier_name_or_path=None, **export_kwargs) -> Path:
-        """Write this drafter in ``layout``, one of its kind's export layouts (:data:`EXPORT_LAYOUTS` for the built-in
-        kinds): 'speculators' / 'vllm' is what vLLM serves from the folder or its Hub id (EAGLE-3: the speculators
-        layout; EAGLE-1: vLLM's ``eagle`` layout, and 'speculators' the speculators library's EAGLE-1, which vLLM does
-        not serve; a block drafter: vLLM's DFlash layout), 'sglang' what SGLang serves.
-        ``export_kwargs`` go to the exporter (``num_speculative_tokens``, ``full_vocab_head``, ``dtype``, ...)."""
+        """Write this drafter in ``layout``, one of its kind's export layouts (its record's ``exports``; the built-in
+        kinds': 'speculators', 'vllm', 'sglang'). 'speculators' / 'vllm' is what vLLM serves from the folder or its
+        Hub id (EAGLE-3: the speculators layout; EAGLE-1: vLLM's ``eagle`` layout, and 'speculators' the speculators
+        library's EAGLE-1, which vLLM does not serve; a block drafter: vLLM's DFlash layout), 'sglang' what SGLang
+        serves. ``export_kwargs`` go to the exporter (``num_speculative_tokens``, ``full_vocab_head``, ``dtype``,
+        ...)."""
         return kind_of(self).export(self, out_dir, layout, verifier_name_or_path, **export_kwargs)
 
     def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
