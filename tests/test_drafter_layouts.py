@@ -426,7 +426,7 @@ def test_a_scaled_rope_rotates_as_transformers_does(scaling):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from tlt_trainers.drafter.eagle import rotary
+    from tlt_trainers.drafter.rope import RotaryFrequencies
 
     original = scaling.get("original_max_position_embeddings", 2048)
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
@@ -434,7 +434,7 @@ def test_a_scaled_rope_rotates_as_transformers_does(scaling):
                          rope_parameters={**scaling, "rope_theta": 500000.0})
     positions = torch.tensor([[0, 5, 1000, 30000]])
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, 4, 64), positions)
-    ours_cos, ours_sin = rotary(positions, 16, 500000.0, torch.float32, scaling)
+    ours_cos, ours_sin = RotaryFrequencies(16, 500000.0, scaling)(positions, torch.float32)
     torch.testing.assert_close(ours_cos[:, 0], cos, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ours_sin[:, 0], sin, atol=1e-6, rtol=1e-5)
 

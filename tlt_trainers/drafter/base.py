@@ -95,6 +95,10 @@ class Drafter(nn.Module, ABC):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary for predicted features [..., H]."""
 
+    def refresh_caches(self) -> None:
+        """Bring what the drafter caches from the policy's weights up to date, in place (the engine calls it before
+        replaying a step graph, which reads those caches by address). Nothing to do unless a kind caches."""
+
     def new_kv(self, capacity: int) -> RowKV:
         """An empty per-row KV cache of ``capacity`` slots for the drafter's own attention."""
         return RowKV(capacity)
@@ -172,8 +176,7 @@ class Drafter(nn.Module, ABC):
         in_range = 0 <= token_ids.min() and token_ids.max() < self.config.vocab_size
         if not in_range or token_ids.unique().numel() != len(token_ids):
             raise ValueError("Draft vocabulary ids must be distinct token ids of the policy's vocabulary.")
-        self.d2t.copy_(token_ids.sort().values.to(self.d2t.device))
-        self._head_cache = None
+        self.d2t.copy_(token_ids.sort().values.to(self.d2t.device))  # in place: caches see its new version
 
     def target_to_draft(self) -> torch.Tensor:
         """[vocab] map from the policy's token ids to draft ids, -1 for tokens outside the draft vocabulary."""

@@ -25,8 +25,9 @@ from ..modeling.kv_cache import RowKV
 from ..modeling.target import text_config
 from .base import Drafter
 from .config import EagleDrafterConfig
-from .eagle import DrafterMLP, RMSNorm, new_drafter, rotary, rotate
+from .eagle import DrafterMLP, RMSNorm, new_drafter, rotate
 from .eagle3 import FusedLayers, OwnHead
+from .rope import RotaryFrequencies
 
 # (layer index, keys, values) of the block -> the keys and values the block attends to in that layer
 KeyMerge = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -53,7 +54,7 @@ class BlockAttention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.head_dim)
-        self.theta, self.rope_scaling = config.rope_theta, config.rope_scaling
+        self.rope = RotaryFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
@@ -63,7 +64,7 @@ class BlockAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rotary(positions, self.head_dim, self.theta, dtype, self.rope_scaling)
+        return self.rope(positions, dtype)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [B, kv_heads, q, D] of inputs ``x`` [B, q, H] (the context's or the block's)."""

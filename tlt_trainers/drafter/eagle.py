@@ -17,7 +17,7 @@ from ..modeling.kv_cache import RowKV
 from ..modeling.target import apply_logit_transform, compute_dtype, logit_transform, text_config
 from .base import AutoregressiveDrafter
 from .config import EagleDrafterConfig
-from .rope import inverse_frequencies
+from .rope import RotaryFrequencies
 
 
 class RMSNorm(nn.Module):
@@ -33,17 +33,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-           scaling: dict | None = None):
-    """cos/sin [B, 1, q, D] for integer positions [B, q] (``scaling``: a scaled RoPE, see :mod:`.rope`)."""
-    inv_freq, factor = inverse_frequencies(head_dim, theta, scaling)
-    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    if factor != 1.0:
-        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -55,8 +44,7 @@ class DrafterAttention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.theta = config.rope_theta
-        self.rope_scaling = config.rope_scaling
+        self.rope = RotaryFrequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         h = config.hidden_size
         x = input_size or h  # EAGLE-3 projects q, k, v from [embedding; feature] (2h)
         bias = config.qkv_bias
@@ -71,7 +59,7 @@ class DrafterAttention(nn.Module):
         query = self.q_proj(x).view(b, q, self.heads, self.head_dim).transpose(1, 2)
         key = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary(positions, self.head_dim, self.theta, x.dtype, self.rope_scaling)
+        cos, sin = self.rope(positions, x.dtype)
         return rotate(query, cos, sin), rotate(key, cos, sin), value
 
     def attend(self, query, key, value, mask):
@@ -228,16 +216,28 @@ class EagleDrafter(AutoregressiveDrafter):
         return self.config.hidden_size
 
     def head_weight(self) -> torch.Tensor:
-        """The LM head rows the drafter scores, re-sliced only when the policy's head changes."""
+        """The LM head rows the drafter scores, re-sliced only when the policy's head or the draft vocabulary
+        changes, and then into the same tensor: a step graph reads it by address, so it is refilled, never replaced
+        (a replaced one would be freed under the graph)."""
         weight = self.target.head.weight
         if self.d2t is None:
             # Detached: a drafter loss must never put a gradient into the policy's head (.grad of a frozen,
             # shared weight would leak into the policy's next optimizer step).
             return weight.detach()
         key = (weight.data_ptr(), weight._version, self.d2t._version)
-        if self._head_cache is None or self._head_cache[0] != key:
+        cached = self._head_cache
+        shape = (self.d2t.numel(), weight.shape[1])
+        if cached is None or (cached[1].shape, cached[1].dtype, cached[1].device) != (shape, weight.dtype,
+                                                                                        weight.device):
             self._head_cache = (key, weight.detach()[self.d2t])
+        elif cached[0] != key:
+            torch.index_select(weight.detach(), 0, self.d2t, out=cached[1])
+            self._head_cache = (key, cached[1])
         return self._head_cache[1]
+
+    def refresh_caches(self) -> None:
+        if self.d2t is not None and self._target is not None:
+            self.head_weight()
 
     # ----------------------------------------------------------------- compute
     def forward(self, hidden, next_tokens, positions, mask=None, kv: RowKV | None = None, slots=None, kv_len=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -57,3 +58,32 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
 
 def _hashable(value):
     return tuple(value) if isinstance(value, list) else value
+
+
+class RotaryFrequencies(nn.Module):
+    """A drafter attention's RoPE frequencies, held on the module's device in float32.
+
+    Computed once on the host at construction and moved with the module (``.to(device)``), so that a drafter step
+    makes no host tensor and copies nothing onto the device (a CUDA-graph capture refuses both). Casting the module
+    (``.to(torch.bfloat16)``) keeps them float32: RoPE angles in bfloat16 would rotate differently from vLLM's and
+    SGLang's drafter layers. Not in the state dict (derived from the config).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq, self.factor = inverse_frequencies(head_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        exact = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = exact.to(self.inv_freq.device)  # where fn put it, still float32
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, q, D] for integer positions [B, q], in ``dtype``."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        if self.factor != 1.0:
+            return (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -583,5 +583,4 @@ class DrafterTrainer:
             raise ValueError(f"The drafter checkpoint at {path} is incomplete or corrupt: {err}. Resume from an "
                              "earlier checkpoint, or delete its drafter folder to go on with the drafter the run "
                              "starts with.") from err
-        self.drafter._head_cache = None
         self.step = int(state["step"])

@@ -29,7 +29,9 @@ class BlockProposer:
 
     def __init__(self, drafter: BlockDrafter, sampling: DraftSampling, clock: Callable[[], float] = time.perf_counter):
         self.drafter, self.sampling, self.clock = drafter, sampling, clock
-        self.catch_up_seconds = 0.0  # the last catch-up after plain steps (a one-off the selector leaves out)
+        # The last catch-up after plain steps (a one-off the selector leaves out): marks of ``clock`` (the rollout's
+        # StepTimer.mark: CUDA events on a GPU, read after the step's one read; the host's clock elsewhere)
+        self.catch_up_span: tuple | None = None
 
     def catch_up(self, rows: ActiveRows) -> None:
         """Write the context keys and values of the slots committed since the drafter last ran."""
@@ -49,7 +51,7 @@ class BlockProposer:
         dstate.length = rows.state.length.clone()
         rows.max_behind = 0
         if start is not None:
-            self.catch_up_seconds = self.clock() - start
+            self.catch_up_span = (start, self.clock())
 
     def propose(self, rows: ActiveRows, strategy: Strategy) -> Proposal:
         drafter, sampling = self.drafter, self.sampling

@@ -46,7 +46,9 @@ class DrafterRunner:
 
     def __init__(self, drafter: Drafter, sampling: DraftSampling, clock: Callable[[], float] = time.perf_counter):
         self.drafter, self.sampling, self.clock = drafter, sampling, clock
-        self.catch_up_seconds = 0.0  # the last catch-up after plain steps (a one-off the selector leaves out)
+        # The last catch-up after plain steps (a one-off the selector leaves out): marks of ``clock`` (the rollout's
+        # StepTimer.mark: CUDA events on a GPU, read after the step's one read; the host's clock elsewhere)
+        self.catch_up_span: tuple | None = None
 
     def catch_up(self, rows: ActiveRows) -> torch.Tensor:
         """Feed the drafter the (feature, token) pairs committed since it last ran; returns its latest
@@ -66,7 +68,7 @@ class DrafterRunner:
         dstate.length = rows.state.length.clone()
         rows.max_behind = 0
         if start is not None:
-            self.catch_up_seconds = self.clock() - start
+            self.catch_up_span = (start, self.clock())
         # (a dead row of a padded graph step may be further behind: its prediction is garbage nobody reads)
         return feature[torch.arange(pending.shape[0], device=pending.device), (pending - 1).clamp(0, width - 1)]
 

@@ -76,18 +76,24 @@ class HistoryProposer:
         """([B, w] tokens continuing each row, [B] match lengths): w <= k the longest match, or ``pad_to``.
         Shorter matches repeat their last token (any candidate is exact: the verifier only follows the policy's
         own draws)."""
-        matches, contexts = self.matches(rows, k)
-        lengths = [min(len(m.tokens), k) for m in matches]
-        self.longest = max(lengths, default=0)
-        width = pad_to or max(self.longest, 1)
-        chains = []
-        for context, match, n in zip(contexts, matches, lengths):
-            tokens = match.tokens[:n] or [context[-1]]
-            chains.append(tokens + [tokens[-1]] * (width - len(tokens)))
-        self.proposed_tokens += sum(lengths)
+        chains = self.chain_lists(rows, k, pad_to)
         device = rows.seq.device
         return (torch.tensor(chains, dtype=torch.long, device=device),
-                torch.tensor(lengths, dtype=torch.long, device=device))
+                torch.tensor(self.lengths, dtype=torch.long, device=device))
+
+    def chain_lists(self, rows: ActiveRows, k: int, pad_to: int | None = None) -> list[list[int]]:
+        """The chains of :meth:`chains` as host lists (a traced step copies them into its static buffer once);
+        their match lengths in ``self.lengths``."""
+        matches, contexts = self.matches(rows, k)
+        self.lengths = [min(len(m.tokens), k) for m in matches]
+        self.longest = max(self.lengths, default=0)
+        width = pad_to or max(self.longest, 1)
+        chains = []
+        for context, match, n in zip(contexts, matches, self.lengths):
+            tokens = match.tokens[:n] or [context[-1]]
+            chains.append(tokens + [tokens[-1]] * (width - len(tokens)))
+        self.proposed_tokens += sum(self.lengths)
+        return chains
 
     def propose(self, rows: ActiveRows, strategy: Strategy) -> Proposal | None:
         """The rows' history chains; None (a plain step) when no row has a match."""

@@ -20,6 +20,7 @@ from ..config import TLTConfig
 from ..modeling.target import TargetModel
 from ..proposers.rollout_history import RolloutHistory
 from ..sampling.distribution import check_generation_config, resolve_sampling
+from .capture import autocast_key
 from .cost_cache import cost_key, load_costs, save_costs
 from .costs import FIXED_SHARE_RATE, CostProfile, linear_weights, profile_costs
 from .graphs import GraphRunner, GraphSession, parameters_key
@@ -107,7 +108,9 @@ class SpeculativeGenerator:
         mode = GraphRunner.mode_for(self.config.cuda_graphs, self.target.device, self.target, feature_layers)
         if mode is None:
             return None
-        params = parameters_key(self.model, self.drafter)
+        # Graphs bake in the caller's autocast (captured without its weight cache): another autocast state is
+        # another session
+        params = parameters_key(self.model, self.drafter) + (autocast_key(),)
         session = self._graph_session
         if session is not None and session.in_use():
             private = GraphSession(self.target, batch, GraphSession.capacity_for(capacity), mode, feature_layers,

@@ -35,7 +35,8 @@ import torch
 
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowCache, WritePlan
-from .step_graphs import StepGraphs
+from .capture import capture_context
+from .step_graphs import StepGraphs, reset_failed_step_captures
 from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ def graph_self_checks() -> list[dict]:
 
 
 def reset_graph_self_checks() -> None:
-    """Forget the checks and switch graphs back on where a check failed (tests)."""
+    """Forget the checks and switch graphs back on where a check failed, whole-step graphs included (tests)."""
     _CHECKS.clear()
     _FAILED.clear()
+    reset_failed_step_captures()
 
 
 def graph_bucket(batch: int) -> int:
@@ -92,6 +94,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
         self.captures = 0  # CUDA graphs captured
+        self.capture_attempts = 0  # captures tried, failed ones included (a step that tried one prices nothing)
         self.shapes_prepared = 0  # (bucket, tokens per row) set up: a capture with "cuda", its dry run with "static"
         self.replays = 0
         self.disabled: str | None = None  # why this runner went back to eager passes (a failed self-check)
@@ -120,8 +123,9 @@ class GraphRunner:
         }
 
     def _run(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the drafter's features, logits) of one eager pass over the static inputs."""
-        with graph_region():
+        """(the drafter's features, logits) of one eager pass over the static inputs (as a capture records it: on
+        the policy's device, without autocast's weight cache)."""
+        with capture_context(self.target.device), graph_region():
             return self._pass(static)
 
     def _pass(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +184,7 @@ class GraphRunner:
     def _capture_checked(self, key: tuple[int, int], static: dict, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Warm up, capture, replay once and compare with the warm-up's eager outputs (same inputs). Returns the
         outputs of this pass: the graph's where it agrees, else an eager pass's (graphs then go off, one warning)."""
+        self.capture_attempts += 1
         try:
             # A few live rows of the eager outputs are kept for the comparison (logits [bucket, q, V] are large)
             rows = torch.tensor(sorted({0, 1, batch // 2, batch - 1} & set(range(batch))), device=self.target.device)
@@ -224,23 +229,26 @@ class GraphRunner:
     def _warm_up(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager passes on the static inputs (on a side stream on CUDA, as capture requires), which are also this
         step's real pass: the cache writes are idempotent. Returns the last one's outputs."""
-        if static["tokens"].device.type != "cuda":
+        device = static["tokens"].device
+        if device.type != "cuda":
             return self._run(static)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                outputs = self._run(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        for tensor in outputs:  # read on this stream, allocated on the side one
-            tensor.record_stream(torch.cuda.current_stream())
+        with capture_context(device):  # the side stream on the policy's device, whatever this thread's is
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    outputs = self._run(static)
+            torch.cuda.current_stream().wait_stream(stream)
+            for tensor in outputs:  # read on this stream, allocated on the side one
+                tensor.record_stream(torch.cuda.current_stream())
         return outputs
 
     def _record(self, static: dict):
         """Capture the pass into a CUDA graph: (graph, its static outputs)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._run(static)
+        with capture_context(static["tokens"].device):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self._run(static)
         self.pool = graph.pool()
         return graph, outputs
 
@@ -270,7 +278,7 @@ class GraphSession:
         self.holder = None  # a weak reference to the rollout using it
         # Whole-step graphs and what they address besides the cache: the rows' buffers, the drafter's cache, the
         # uniforms' buffers per bucket and the EOS ids (tlt_trainers.rollout.step_graphs)
-        self.step_graphs = StepGraphs(mode)
+        self.step_graphs = StepGraphs(mode, target.device, type(target.model).__name__)
         self.row_buffers: dict[str, torch.Tensor] = {}
         self.draft_kv = None
         self.streams: dict = {}  # the uniforms of traced steps per batch bucket (one buffer, "all")
@@ -282,7 +290,7 @@ class GraphSession:
 
     def fits(self, batch: int, capacity: int, mode: str, feature_layers, params_key: tuple) -> bool:
         # Not a session twice the size needed: full-capacity attention would cost more than a capture saves
-        return (self.runner.disabled is None and self.step_graphs.disabled is None
+        return (self.runner.disabled is None
                 and graph_bucket(batch) <= self.max_batch
                 and capacity <= self.capacity <= 2 * self.capacity_for(capacity) and mode == self.mode
                 and feature_layers == self.feature_layers and params_key == self.params_key)

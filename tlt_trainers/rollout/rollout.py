@@ -114,6 +114,7 @@ class Rollout:
         if session is not None:  # graphs (and the cache they read) kept from earlier calls where shapes fit
             self.capacity, self.graphs = session.capacity, session.runner
         self._tracing = False  # inside a step traced into a graph (StepGraphs)
+        self._one_off = False  # this step ran a traced strategy eagerly (a one-off the selector does not price)
         self.session = session
         self.step_graphs = session.step_graphs if session is not None else None
         self._step_generator = None
@@ -180,7 +181,8 @@ class Rollout:
             # The drafter's q may be any distribution we sample from; without the repetition penalty it needs no
             # per-position history, and verification corrects the difference.
             sampling = DraftSampling(replace(params, repetition_penalty=1.0), self.warpers, self.generator)
-            made, drafting = kind_of(self.engine.drafter).proposers(self.engine.drafter, sampling, self._now)
+            # The clock marks the catch-up's span on the device (CUDA events), read after the step's one read
+            made, drafting = kind_of(self.engine.drafter).proposers(self.engine.drafter, sampling, self.timer.mark)
             proposers.update(made)
         if self.engine.rollout_history is not None:
             history = HistoryProposer(self.engine.rollout_history, history_keys)
@@ -197,6 +199,7 @@ class Rollout:
         """Propose, verify in one policy pass, accept, commit (all on the device, replayed from one CUDA graph where
         the step allows it), then the step's one read and the retirement of finished rows."""
         batch = self.rows.size
+        self._one_off = False
         tensors = self._graph_step(strategy) if self.step_graphs is not None else None
         if tensors is None:
             tensors = self._step_tensors(strategy)
@@ -212,7 +215,7 @@ class Rollout:
         """The step replayed from a graph of its (batch bucket, strategy), or None where it cannot be (see
         :mod:`.step_graphs`): then it runs eagerly."""
         rows, graphs = self.rows, self.step_graphs
-        if graphs.disabled is not None or rows.presence is not None:
+        if rows.presence is not None:
             return None
         if strategy.uses_drafter and not strategy.history_tokens and self.drafting is not None:
             # The drafter's catch-up: the rows' accepted paths (or a block's context) and bonus tokens of the
@@ -220,6 +223,7 @@ class Rollout:
             drafted = kind_of(self.engine.drafter).strategy_kinds
             width = max(s.depth for s in self.engine.strategies if s.kind in drafted) + 1
             if rows.max_behind > width:
+                self._one_off = True  # its seconds price nothing: the strategy's steps are replayed, not this one
                 return None  # after plain steps: a one-off wider catch-up, eagerly
         elif strategy.kind in ("none", "history"):
             width = 0
@@ -257,6 +261,8 @@ class Rollout:
         key = (bucket, traced.name, width, proposal_width, self.params, self.max_new,
                self.feature_sink is not None, rows.host_tokens is not None,
                None if self.eos is None else self.eos.data_ptr())
+        if self.use_drafter:
+            self.engine.drafter.refresh_caches()  # what the graph reads by address, refilled outside it
         result = graphs.run(key, body, rows.snapshot,
                             lambda t: [t.packed, t.emitted, t.finished],
                             lambda reset_only=False: stream.refill(self._uniform_generator(),
@@ -274,9 +280,12 @@ class Rollout:
         if longest == 0:
             return None
         width = min(k, 1 << (longest - 1).bit_length())
-        tokens, _ = self.history.chains(self.rows, k, pad_to=width)
+        chains = self.history.chain_lists(self.rows, k, pad_to=width)
+        host = torch.tensor(chains, dtype=torch.long)
+        if self.device.type == "cuda":  # one asynchronous copy from page-locked memory, ordered before the replay
+            host = host.pin_memory()
         buffer = self.session.row_buffers["history_drafts"]
-        buffer[: tokens.shape[0], :width].copy_(tokens)
+        buffer[: len(chains), :width].copy_(host, non_blocking=True)
         return buffer[:bucket, :width]
 
     def _uniform_stream(self, bucket: int) -> UniformStream:
@@ -594,7 +603,7 @@ class Rollout:
         if self.history is not None:
             self.history.new_step()
         if self.drafting is not None:
-            self.drafting.catch_up_seconds = 0.0
+            self.drafting.catch_up_span = None
         strategy = self._choose()
         captures = self._captures()
         start = self._now()
@@ -604,19 +613,23 @@ class Rollout:
         self.stats.record_step(batch, outcome.emitted, outcome.drafted, outcome.accepted, seconds, strategy.name,
                                first_accepted=outcome.first_accepted)
         if self.selector is not None:
-            catch_up = self.drafting.catch_up_seconds if self.drafting is not None else 0.0
-            # A step that captured a graph took the capture's time too (a one-off): its seconds price nothing
+            span = getattr(self.drafting, "catch_up_span", None)
+            catch_up = self.timer.seconds_between(*span) if span is not None else 0.0
+            # A step that tried to capture a graph (whether or not it succeeded) took the capture's time too, and a
+            # traced strategy's step run eagerly (the wide catch-up after plain steps) is not what its replays cost:
+            # one-offs, whose seconds price nothing
             self.selector.observe(strategy, batch, outcome.emitted, seconds, outcome.accepted,
                                   catch_up_seconds=catch_up, expected_emitted=outcome.expected_emitted,
-                                  costed=self._captures() == captures)
+                                  costed=self._captures() == captures and not self._one_off)
         self._record_memory()
         if self._progress is not None:
             self._progress.update(outcome.emitted)
         return self.rows.size > 0
 
     def _captures(self) -> int:
-        """CUDA graphs captured so far by this rollout's runners (0 without graphs, and in static mode)."""
-        return sum(r.captures for r in (self.graphs, self.step_graphs) if r is not None)
+        """CUDA-graph captures tried so far by this rollout's runners, failed ones included (0 without graphs, and
+        in static mode)."""
+        return sum(r.capture_attempts for r in (self.graphs, self.step_graphs) if r is not None)
 
     def finish(self) -> GenerationResult:
         if self._progress is not None:

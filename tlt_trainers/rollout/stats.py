@@ -166,6 +166,22 @@ class StepTimer:
     def now(self) -> float:
         return time.perf_counter()
 
+    def mark(self):
+        """A point in the device's timeline: a recorded CUDA event on CUDA (the host never waits for it), the
+        host's clock elsewhere. Two marks give seconds with :meth:`seconds_between` once the device passed both."""
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds_between(self, start, end) -> float:
+        """Seconds between two :meth:`mark` s (on CUDA, waits for ``end``: call it after the step's one read)."""
+        if self.events:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
     def _add(self, name: str, seconds: float) -> None:
         field_name = f"{name}_seconds"
         setattr(self.stats, field_name, getattr(self.stats, field_name) + seconds)

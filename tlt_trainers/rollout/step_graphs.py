@@ -26,30 +26,50 @@ device: the CPU tests count its ops (``step_probe``) and check its output agains
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
 import torch
 
+from .capture import capture_context
 from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
+
+# (device, model class, bucket, strategy, catch-up width, proposal width) -> why its capture failed in this process.
+# Another session or engine on the same shapes runs that step eagerly without trying (and warning) again.
+_FAILED_STEPS: dict[tuple, str] = {}
+
+
+def failed_step_captures() -> dict[tuple, str]:
+    """The step shapes whose capture failed in this process, and why."""
+    return dict(_FAILED_STEPS)
+
+
+def reset_failed_step_captures() -> None:
+    """Forget the failed step captures (tests)."""
+    _FAILED_STEPS.clear()
 
 
 class StepGraphs:
     """Traced steps, kept with the engine's graph session across calls, keyed by (bucket, strategy name, catch-up
     width) and the call settings a trace bakes in (``Rollout._graph_step``)."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, device: torch.device | str | None = None, model_name: str = ""):
         if mode not in ("cuda", "static"):
             raise ValueError(f"StepGraphs mode must be 'cuda' or 'static', got {mode!r}.")
         self.mode = mode
+        # The device the steps' tensors live on: captures are bound to it, whatever the calling thread's is
+        self.device = torch.device(device if device is not None else ("cuda" if mode == "cuda" else "cpu"))
+        self.model_name = model_name
         self.entries: dict[tuple, tuple] = {}
         self.pool = None
         self.captures = 0  # CUDA graphs captured
+        self.capture_attempts = 0  # captures tried, failed ones included (a step that tried one prices nothing)
         self.shapes_prepared = 0  # keys set up: a capture with "cuda", its first trace with "static"
         self.replays = 0
-        self.disabled: str | None = None
+        self.failed: dict[tuple, str] = {}  # keys of this engine whose capture failed: they run eagerly
 
     def run(self, key: tuple, body: Callable[[], object], snapshot: Callable[[], Callable[[], None]],
             outputs_of: Callable[[object], list[torch.Tensor]], before_each: Callable[[], None]):
@@ -63,10 +83,14 @@ class StepGraphs:
         if self.mode == "static":
             self.entries[key] = (None, None)
             before_each()
-            with graph_region():
+            with self.recording():
                 result = body()
             self.replays += 1
             return result
+        if key in self.failed or self._shape_of(key) in _FAILED_STEPS:
+            self.failed.setdefault(key, _FAILED_STEPS.get(self._shape_of(key), "failed"))
+            before_each()
+            return body()  # eagerly: no graph of this key in this process
         if entry is None:
             return self._capture_checked(key, body, snapshot, outputs_of, before_each)
         graph, result = entry
@@ -80,6 +104,7 @@ class StepGraphs:
         docstring). Returns this step's results: the graph's, or an eager run's where the check failed."""
         restore = snapshot()
         reason = None
+        self.capture_attempts += 1
         try:
             before_each()
             expected = [t.clone() for t in outputs_of(self._warm_up(body))]
@@ -99,32 +124,48 @@ class StepGraphs:
             self.captures += 1
             self.replays += 1
             return result
-        self.disabled = reason
-        self.entries.clear()
-        logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, strategy, catch-up width %s) "
-                       "failed its self-check: %s. Steps run eagerly from here on (the same tokens; more launches "
-                       "per step; the engine's next call starts a new set of graphs). Please report it with your "
-                       "GPU, torch and transformers versions.", key[:3], reason)
+        self.entries.pop(key, None)
+        self.failed[key] = reason
+        shape = self._shape_of(key)
+        if shape not in _FAILED_STEPS:  # once per process and step shape
+            _FAILED_STEPS[shape] = reason
+            logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, strategy, catch-up width %s) "
+                           "failed its self-check: %s. Steps of this shape run eagerly for the rest of the process "
+                           "(the same tokens; more launches per step); other steps keep their graphs. Please report "
+                           "it with your GPU, torch and transformers versions.", key[:3], reason)
         restore()
         before_each(reset_only=True)
         return body()
 
-    @staticmethod
-    def _warm_up(body):
-        """The step run eagerly on a side stream, as a capture requires (plainly where there is no CUDA)."""
-        if not torch.cuda.is_available():
-            return body()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            result = body()
-        torch.cuda.current_stream().wait_stream(stream)
+    def _shape_of(self, key: tuple) -> tuple:
+        """What a capture's failure is remembered by across engines: device, model, and the step's shape."""
+        return (str(self.device), self.model_name, *key[:4])
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The context a step is traced in: its graph region, on its device, without autocast's weight cache
+        (:func:`~.capture.capture_context`)."""
+        with capture_context(self.device), graph_region():
+            yield
+
+    def _warm_up(self, body):
+        """The step run eagerly on a side stream of its device, as a capture requires (plainly without CUDA)."""
+        if self.device.type != "cuda":
+            with capture_context(self.device):
+                return body()
+        with capture_context(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                result = body()
+            torch.cuda.current_stream().wait_stream(stream)
         return result
 
     def _record(self, body):
-        """Capture the step into a CUDA graph: (graph, its static results)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            result = body()
+        """Capture the step into a CUDA graph on its device: (graph, its static results)."""
+        with capture_context(self.device):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                result = body()
         self.pool = graph.pool()
         return graph, result
