@@ -261,3 +261,41 @@ def test_capture_attempts_and_eager_runs_of_traced_strategies_price_nothing(monk
             previous_runs, previous_attempts = run_count, attempts
         assert any(costed for name, costed, *_ in observed if name != "none")  # replayed steps are priced
     assert saw_eager_without_capture and saw_failed_capture
+
+
+# ------------------------------------------------------------------------------------------ on a GPU only
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+def test_catch_up_is_timed_on_the_device():
+    """Catch-up spans are CUDA events (the host only launches the work; its clock would time the launches)."""
+    from tlt_trainers.rollout.stats import GenerationStats, StepTimer
+
+    timer = StepTimer(GenerationStats(), torch.device("cuda"))
+    start = timer.mark()
+    x = torch.randn(1024, 1024, device="cuda")
+    for _ in range(20):
+        x = torch.tanh(x @ x)
+    end = timer.mark()
+    assert isinstance(start, torch.cuda.Event)
+    assert timer.seconds_between(start, end) > 0
+
+
+@cuda_only
+def test_graphs_captured_under_autocast_replay_exactly_after_an_in_place_update():
+    """Fault 4 on a GPU: fp32 weights, generation under autocast(bf16) with graphs kept across calls, an in-place
+    weight update between the calls: the second call's replays read the new weights, as model.generate does."""
+    model = tiny_model("llama", logit_scale=4.0).cuda()
+    engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
+    ids, mask = (t.cuda() for t in padded_prompts([5, 3, 7], seed=5))
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+    for round_ in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ours = engine.generate(ids, **kwargs).sequences
+            reference = model.generate(ids, **kwargs)
+        assert torch.equal(ours, reference[:, : ours.shape[1]]), f"round {round_}"
+        assert engine._graph_session is not None and engine._graph_session.runner.captures > 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
