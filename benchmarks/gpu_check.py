@@ -9,7 +9,8 @@ training micro-step with and without packing and liger's fused cross-entropy).
     python benchmarks/gpu_check.py --allow-cpu --quick   # smoke test of this script on CPU (graphs' static path;
                                                          # kernels only with TRITON_INTERPRET=1 set)
 
-Without CUDA (and without --allow-cpu) it prints "skipped: no CUDA" and exits 0.
+Without CUDA (and without --allow-cpu) it prints "gpu_check: no CUDA device: nothing measured" and exits 77 (the
+code benchmarks/gpu_session.sh and gpu_speed.py use for it: not a pass).
 
 The self-checks (printed first, as a table): the engine's sampled rollouts with its default kernels on CUDA, after
 which every Triton self-check of the process is listed (kernel kept, or fallback to the torch path and why); the
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
 from common import print_table, write_results  # noqa: E402
 from gpu_exactness import first_divergences, sampled_law_check  # noqa: E402
 
@@ -427,11 +429,11 @@ def main():
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
-        print("gpu_check: skipped: no CUDA (this script checks the GPU paths: Triton kernels, CUDA graphs, "
-              "flash-attn; --allow-cpu runs it as a smoke test on CPU)")
+        print("gpu_check: no CUDA device: nothing measured (this script checks the GPU paths: Triton kernels, CUDA "
+              "graphs, flash-attn; --allow-cpu runs it as a smoke test on CPU)")
         if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "gpu_check.json").write_text('{"skipped": "no CUDA"}\n')
-        return
+            Path(os.environ["OUT"], "gpu_check.json").write_text('{"measured": false, "reason": "no CUDA device"}\n')
+        sys.exit(77)
     device = torch.device("cuda" if cuda else "cpu")
     graphs_on = "auto" if cuda else "static"
     dtype = torch.bfloat16 if cuda else torch.float32

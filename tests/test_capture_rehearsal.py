@@ -264,7 +264,8 @@ def test_capture_attempts_and_eager_runs_of_traced_strategies_price_nothing(monk
 
 
 # ------------------------------------------------------------------------------------------ on a GPU only
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def cuda_only(test):
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 @cuda_only
