@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..modeling.target import TargetModel
+
 # Where the session keeps each part (attribute paths from the GraphSession), in the order a storage is attributed: a
 # storage reached from two parts (a graph's static slots written into the cache's plan) counts under the first.
 PARTS = (
@@ -38,9 +40,9 @@ PARTS = (
 )
 OTHER = "other"
 
-# Objects a walk never enters: the model seen as parts (its weights are the policy's, not the engine's), references
-# that do not keep anything alive, and values that hold no tensor.
-_OPAQUE = (nn.Module, weakref.ref, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+# Objects a walk never enters: the model and the model seen as parts (their weights are the policy's, not the
+# engine's), references that do not keep anything alive or lead out of the session, and values that hold no tensor.
+_OPAQUE = (nn.Module, TargetModel, weakref.ref, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
            torch.Generator, torch.device, torch.dtype, str, bytes, int, float, bool, complex, type(None))
 
 
@@ -67,7 +69,7 @@ def _walk_tensors(root, visited: set[int]):
         visited.add(id(obj))
         if isinstance(obj, torch.Tensor):
             yield obj
-        elif isinstance(obj, _OPAQUE) or _is_target_model(obj):
+        elif isinstance(obj, _OPAQUE):
             continue
         elif isinstance(obj, dict):
             stack.extend(obj.keys())
@@ -77,13 +79,6 @@ def _walk_tensors(root, visited: set[int]):
         elif type(obj).__module__.startswith("tlt_trainers"):
             stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
             stack.extend(getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name))
-
-
-def _is_target_model(obj) -> bool:
-    """The policy seen as parts (``modeling.target.TargetModel``): its tensors are the policy's weights."""
-    from ..modeling.target import TargetModel
-
-    return isinstance(obj, TargetModel)
 
 
 def _weight_storages(engine) -> set[tuple[str, int]]:
