@@ -25,8 +25,8 @@ from tlt_trainers.settings.generated import VERL_YAML, generated_files
 ENGINE_VALUES = dict(
     speculation="always", num_speculative_tokens=3, default_num_speculative_tokens=5, max_speculative_batch_size=2,
     strategy="chain:3", strategies=("chain:2", "tree:4x2:8"), history_drafting=False, history_max_tokens=1000,
-    history_keep_steps=2, min_speedup=1.5, cuda_graphs="off", selector_window=64, exploration=0.3,
-    cost_cache="off", show_progress=True,
+    history_keep_steps=2, min_speedup=1.5, cuda_graphs="off", keep_engine_memory=True, selector_window=64,
+    exploration=0.3, cost_cache="off", show_progress=True,
 )
 DRAFTER_VALUES = dict(
     drafter_name_or_path="some/drafter", drafter_architecture="eagle", draft_vocab_size=0,

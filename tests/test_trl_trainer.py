@@ -15,6 +15,7 @@ pytest.importorskip("datasets")
 
 from processes import free_port  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_scripts.common import Recorder, char_tokenizer, grpo_kwargs, length_reward, policy, prompt_dataset  # noqa: E402
 
@@ -334,3 +335,38 @@ def test_where_the_drafter_trains_with_vllm():
     assert not trains_at_generation_end(True, "server", world=2)
     assert not trains_at_generation_end(True, tp=2, world=2)
     assert trains_at_generation_end(True, tp=2, world=4)
+
+
+class EngineMemoryProbe(TrainerCallback):
+    """What the trainer's engine holds during each training step: read after the loss's backward, before the
+    optimizer step (GRPO's rollout for the step has run by then), with the last release the trainer made."""
+
+    def __init__(self):
+        self.trainer = None
+        self.held: list[int] = []
+        self.releases: list = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.held.append(self.trainer._tlt_engine.held_bytes())
+        self.releases.append(self.trainer._tlt_memory_release)
+        self.trainer._tlt_memory_release = None  # each step's rollout must release anew
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["given-back", "kept"])
+def test_engine_memory_is_given_back_before_the_training_step(tmp_path, keep):
+    """The engine's graph session (``cuda_graphs="static"``: the CPU stand-in for CUDA graphs, which keeps the same
+    caches and buffers across calls) is freed after each rollout, before the step, unless keep_engine_memory."""
+    probe = EngineMemoryProbe()
+    args = TLTGRPOConfig(**grpo_kwargs(tmp_path), speculation="always", num_speculative_tokens=3,
+                         cuda_graphs="static", keep_engine_memory=keep)
+    trainer = TLTGRPOTrainer(model=policy(), reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
+                             processing_class=char_tokenizer(), callbacks=[probe])
+    probe.trainer = trainer
+    trainer.train()
+    assert len(probe.held) == 2  # both steps
+    if keep:
+        assert all(held > 0 for held in probe.held)
+        assert probe.releases == [None, None]
+    else:
+        assert probe.held == [0, 0]
+        assert all(r is not None and r.held_bytes > 0 and r.session_freed for r in probe.releases)

@@ -191,6 +191,22 @@ def test_sampled_rollout_trains_and_syncs_drafters_across_replicas(model_dir, ro
     assert restored["total_steps"] == states[0]["total_steps"]
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["given-back", "kept"])
+def test_the_rollout_gives_the_engines_memory_back(model_dir, rollout_actors, keep):
+    """After a training rollout the manager has each server free its engine's graph session (``cuda_graphs="static"``:
+    the CPU stand-in for CUDA graphs) before the drafter update and the step, unless tlt.keep_engine_memory."""
+    config = backend_config(model_dir, 1, "actor_rollout_ref.rollout.temperature=1.0", "tlt.speculation=always",
+                            "tlt.num_speculative_tokens=2", "tlt.cuda_graphs=static",
+                            f"tlt.keep_engine_memory={str(keep).lower()}")
+    servers, agents = make_managers(config)
+    rollout_actors.append(agents)
+    output = agents.generate_sequences(prompts_batch())
+    assert len(output) == len(QUESTIONS)
+    assert agents.pop_metrics()["tlt/speculative_step_fraction"] > 0  # the rollout ran through the tlt server
+    held = ray.get(agents.servers[0].engine_memory.remote())
+    assert held > 0 if keep else held == 0
+
+
 def test_vllm_engine_kwargs_point_at_an_exported_drafter(tmp_path):
     from tlt_trainers import EagleDrafter
     from tlt_trainers.verl.vllm import vllm_engine_kwargs

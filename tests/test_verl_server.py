@@ -309,3 +309,36 @@ def test_starts_from_a_public_layout_drafter_and_stays_exact(model_dir, referenc
     outputs = serve(server, [(prompt, GREEDY) for prompt in prompts])
     for prompt, output in zip(prompts, outputs):
         assert output.token_ids == greedy_generate(reference, prompt, RESPONSE_LENGTH, eos=EOS)
+
+
+# ----------------------------------------------------------------------------- memory kept between batches
+@pytest.mark.parametrize("hook", ["sleep", "release_kv_cache"])
+def test_sleep_and_release_kv_cache_give_the_engines_memory_back(model_dir, reference, hook):
+    """veRL puts a replica to sleep after each rollout (and releases its KV cache before a weight sync): the engine's
+    graph session (``cuda_graphs="static"``, the CPU stand-in for CUDA graphs) is freed, and the next batch, which
+    builds a new one, is as exact as the first."""
+    server = make_server(model_dir, speculation="always", cuda_graphs="static")
+    prompts = random_prompts(4, 5, seed=9)
+    first = serve(server, [(prompt, GREEDY) for prompt in prompts])
+    assert asyncio.run(server.engine_memory()) > 0
+    asyncio.run(server.clear_kv_cache())  # no prefix cache to clear, and not a release
+    assert asyncio.run(server.engine_memory()) > 0
+    asyncio.run(getattr(server, hook)())
+    assert asyncio.run(server.engine_memory()) == 0
+    asyncio.run(server.wake_up() if hook == "sleep" else server.resume_kv_cache())
+    second = serve(server, [(prompt, GREEDY) for prompt in prompts])
+    assert asyncio.run(server.engine_memory()) > 0
+    for prompt, a, b in zip(prompts, first, second, strict=True):
+        assert a.token_ids == b.token_ids == greedy_generate(reference, prompt, RESPONSE_LENGTH, eos=EOS)
+    release = asyncio.run(server.release_engine_memory())
+    assert release["held_bytes"] > 0 and release["session_freed"]
+
+
+def test_keep_engine_memory_keeps_it_through_sleep(model_dir):
+    server = make_server(model_dir, speculation="always", cuda_graphs="static", keep_engine_memory=True)
+    serve(server, [(prompt, GREEDY) for prompt in random_prompts(4, 5, seed=9)])
+    held = asyncio.run(server.engine_memory())
+    asyncio.run(server.sleep())
+    asyncio.run(server.release_kv_cache())
+    assert held > 0 and asyncio.run(server.engine_memory()) == held
+    assert asyncio.run(server.release_engine_memory()) == {}

@@ -103,6 +103,17 @@ class TLTConfig:
                   "'static': the graphs' static-buffer path without capturing, on any device (for tests).",
                   "choices": ["auto", "off", "static"]},
     )
+    keep_engine_memory: bool = field(
+        default=False,
+        metadata={"help": "Keep what the engine holds between rollouts (the policy's and the drafter's KV caches, "
+                  "the features buffer, the graphs' logits outputs and memory pools) through the training step. "
+                  "False (the default): TLTGRPOTrainer and veRL's tlt rollout servers give it back after each "
+                  "rollout, because a training step colocated with the rollout needs it: with a policy of billions "
+                  "of parameters, a vocabulary of about 150 thousand tokens and a few thousand slots it is tens of "
+                  "GB (docs/adaptive_engine.md). True saves allocating it and capturing the graphs again at the next "
+                  "rollout, where the memory can be spared. SpeculativeGenerator used alone keeps it until "
+                  "release_graphs()."},
+    )
     selector_window: int = field(
         default=256,
         metadata={"help": "Steps of acceptance history the adaptive selector remembers: a shorter window follows a "

@@ -18,6 +18,7 @@ from .drafter.base import Drafter
 from .drafter.trainer import DrafterTrainer
 from .kinds.setup import drafter_class
 from .rollout.generator import SpeculativeGenerator
+from .rollout.memory import give_back
 from .shipped.prompts import chat_prompt
 
 
@@ -90,6 +91,7 @@ def measure_acceptance(model, tokenizer, drafter: Drafter, prompts: list[str], m
                               pad_token_id=pad, generator=torch.Generator().manual_seed(seed + start))
         emitted += res.stats.generated_tokens_in_steps
         forwards += res.stats.row_forwards
+    give_back(engine)  # its cache and graphs now, not whenever the garbage collector finds them
     return {"acceptance_length": emitted / max(forwards, 1), "temperature": temperature,
             "num_speculative_tokens": num_speculative_tokens, "prompts": len(prompts)}
 
@@ -152,6 +154,7 @@ def warmup_drafter(
                                   feature_sink=trainer.add_features, feature_layers=drafter.feature_layers)
             report.answer_tokens += res.stats.generated_tokens
     report.sampling_seconds = time.perf_counter() - start
+    give_back(engine)  # the sampling engine's cache and graphs: the drafter's training needs the memory
     log(f"sampled {report.answer_tokens} answer tokens from {len(prompts)} prompts in {report.sampling_seconds:.0f}s")
     trainer.rebuild_draft_vocab()
     report.training = trainer.train(max_seconds=train_seconds)

@@ -319,3 +319,12 @@ class SpeculativeGenerator:
             self._last_batch, self._last_context = input_ids.shape[0], input_ids.shape[1] + min(max_new_tokens, 128)
         return Rollout(self, input_ids, pad, params, max_new_tokens, _eos_tensor(eos_token_id, input_ids.device),
                        pad_token_id, generator, feature_sink, keys, feature_layers)
+
+    # ------------------------------------------------------------------ memory kept between calls
+    def held_bytes(self) -> int:
+        """Bytes this engine keeps between calls (its graph session's caches, buffers and graphs' static tensors;
+        not the weights): what a training step colocated with the rollout may want back
+        (:func:`~tlt_trainers.rollout.memory.give_back`)."""
+        from .memory import held_bytes
+
+        return held_bytes(self)

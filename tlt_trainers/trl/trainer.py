@@ -54,6 +54,7 @@ from ..online import (
     waited_seconds,
 )
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
+from ..rollout.memory import Release, give_back
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import effective_generation_config
 from .config import TLTGRPOConfig, resolve_tlt_settings
@@ -175,6 +176,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_ranks = RankGroup()
         self._tlt_generator = torch.Generator().manual_seed(int(args.seed) + self.accelerator.process_index)
         self._tlt_engine: SpeculativeGenerator | None = None
+        self._tlt_memory_release: Release | None = None  # the last rollout's (see _tlt_give_back_memory)
         self._tlt_pending = False
         self._tlt_in_tool_loop = False
         self._tlt_rollout_start = time.perf_counter()
@@ -353,7 +355,22 @@ class TLTGRPOTrainer(GRPOTrainer):
         output = super()._generate(*args, **kwargs)
         if self._tlt_trains_at_generation_end:
             self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
+        self._tlt_give_back_memory()  # already done by _tlt_after_rollout, unless it waits for the old-logps pass
         return output
+
+    def _tlt_give_back_memory(self) -> None:
+        """Free what TLT's engine keeps between rollouts (its caches, features buffer and graphs) before the drafter
+        update and the training step, which need the memory, unless ``keep_engine_memory``. Without emptying CUDA's
+        cache: the training step runs in this process, whose caching allocator reuses the freed blocks (and frees
+        the released graph pools itself if an allocation needs them), while emptying it would synchronize and make
+        the next rollout allocate from the device again (TrainingArguments' ``torch_empty_cache_steps`` does it
+        where wanted). With ``use_vllm`` TLT's engine never runs (TRL's vLLM engine generates and its own
+        ``vllm_enable_sleep_mode`` governs that engine's memory): nothing to free."""
+        if self._tlt_engine is None or self._tlt_config.keep_engine_memory:
+            return
+        release = give_back(self._tlt_engine, empty_cache=False)
+        if release.held_bytes or not release.session_freed:  # not a second call of the same rollout
+            self._tlt_memory_release = release
 
     # ------------------------------------------------------------------ vLLM (colocate)
     def _tlt_start_vllm(self) -> None:
@@ -528,6 +545,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         if not self._tlt_pending:
             return
         self._tlt_pending = False
+        self._tlt_give_back_memory()  # the rollout is over on this rank: the drafter update and the step need it
         counters = self._tlt_counters.values
         if not self.model.training:
             self._tlt_log_generation("eval", counters)

@@ -3,7 +3,8 @@
 A rollout step splits the batch over the agent-loop workers and waits for all of them. While it waits
 (``ray.wait`` over the workers' futures, waking every ``POLL_SECONDS``), every ``tlt`` replica that has
 served its requests and has nothing queued trains its drafter; a new request stops it within one
-micro-step. When all workers are done the manager stops the training and hands the rest to the update cycle
+micro-step. When all workers are done the replicas give back what their engines keep between batches (unless
+``tlt.keep_engine_memory``), and the manager stops the training and hands the rest to the update cycle
 of :mod:`tlt_trainers.online`: train after the rollout instead if no replica trained in idle time
 (``post_rollout``: a budget proportional to the rollout), average the drafters that trained (weighted by
 their steps, :data:`~tlt_trainers.online.MergeRule.STEP_WEIGHTED_AVERAGE`) and load the result into every
@@ -97,11 +98,15 @@ class TLTAgentLoopManager(AgentLoopManager):
         return output
 
     async def _update_drafters(self, servers, training, stats, rollout_seconds, finished_workers) -> dict:
-        """Stop the idle slices, then the update cycle (:func:`~tlt_trainers.online.finish_update`: the fallback on
-        every replica when none trained in idle time, the merge by ``step_weighted_average``), in a thread: the
-        transport's Ray calls block."""
+        """Stop the idle slices, give back the engines' memory, then the update cycle
+        (:func:`~tlt_trainers.online.finish_update`: the fallback on every replica when none trained in idle time, the
+        merge by ``step_weighted_average``), in a thread: the transport's Ray calls block."""
         await asyncio.gather(*[s.stop_training.remote() for s in servers])
         idle_results = {rank: await ref for rank, ref in training.items()}
+        # The rollout is over: the servers give back what their engines keep between batches (unless
+        # tlt.keep_engine_memory) before the drafter update and the training step veRL runs next (whose replica sleep
+        # would give it back too). After the idle slices: a server releases under the lock they hold.
+        await asyncio.gather(*[s.release_engine_memory.remote() for s in servers])
 
         def report(result: dict, rank: int) -> SliceReport:
             return SliceReport.from_metrics(result, total_steps=stats[rank].get("drafter_total_steps", 0))

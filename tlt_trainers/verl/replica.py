@@ -116,7 +116,8 @@ class TLTServerAdapter(BaseRollout):
         """The server keeps its own copy of the weights resident; nothing to restore."""
 
     async def release(self):
-        """See :meth:`resume`."""
+        """Nothing in this worker to free: the engine's memory lives in the server, which gives it back when veRL puts
+        the replica to sleep after a rollout (:meth:`TLTRolloutServer.sleep`)."""
 
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
                              wire_format: str = "named_tensors", **kwargs):

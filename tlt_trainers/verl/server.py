@@ -16,6 +16,7 @@ never overlap.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -30,6 +31,7 @@ from ..drafter.trainer import DrafterTrainer
 from ..kinds.setup import rollout_drafter
 from ..online import train_slice
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
+from ..rollout.memory import give_back
 from ..rollout.stats import RolloutCounters
 from ..sampling.distribution import SamplingParams, process_logits
 from ..vllm.sync import _torch_dtype
@@ -554,12 +556,33 @@ class TLTRolloutServer:
     async def ready(self) -> bool:
         return True
 
+    # ------------------------------------------------------------------ memory kept between batches
+    async def release_engine_memory(self) -> dict:
+        """Give back what the engine keeps between batches (its graph session: the policy's and the drafter's KV
+        caches, the features buffer, the graphs' static tensors and, on CUDA, their memory pools), unless
+        ``tlt.keep_engine_memory``; after the batch in progress, if one is. On CUDA the freed blocks go back to the
+        device (``torch.cuda.empty_cache``): this server is a process of its own, and the trainer's workers beside
+        it on the device can use only what its allocator returns. The next batch allocates and captures again.
+        Returns what was freed (:class:`~tlt_trainers.rollout.memory.Release` as a dict; empty when kept)."""
+        if self.settings.keep_engine_memory:
+            return {}
+        async with self._lock:
+            release = give_back(self.engine, empty_cache=True)
+        return dataclasses.asdict(release)
+
+    async def engine_memory(self) -> int:
+        """Bytes the engine keeps between batches now (:meth:`SpeculativeGenerator.held_bytes`)."""
+        return self.engine.held_bytes()
+
     # ------------------------------------------------------------------ RolloutReplica's control calls
     async def wake_up(self):
-        """Weights stay resident in this server (no memory handoff with the trainer), so nothing to do."""
+        """Nothing to restore: the weights never leave this server (the actor's ``update_weights`` copies new ones
+        into them), and the engine allocates its cache and captures its graphs again at the next batch."""
 
     async def sleep(self):
-        """See :meth:`wake_up`."""
+        """veRL calls it after each rollout, before the training step: gives back what the engine keeps between
+        batches (:meth:`release_engine_memory`) unless ``tlt.keep_engine_memory``. The weights stay resident."""
+        await self.release_engine_memory()
 
     async def abort_all_requests(self, reject_request: bool = False):
         """Requests not yet in a batch end now, marked 'aborted'; a running batch completes."""
@@ -574,13 +597,17 @@ class TLTRolloutServer:
         """Nothing is held back after an abort."""
 
     async def clear_kv_cache(self):
-        """The engine allocates its KV cache per batch."""
+        """Nothing to clear: the engine keeps no prefix cache, and each batch starts with empty rows (a kept cache's
+        rows are reset when the next batch takes it). Its memory is given back by :meth:`sleep` and
+        :meth:`release_kv_cache`."""
 
     async def release_kv_cache(self):
-        """See :meth:`clear_kv_cache`."""
+        """veRL calls it before a weight sync: gives back what the engine keeps between batches, as :meth:`sleep`
+        does (unless ``tlt.keep_engine_memory``); the weights stay where the sync writes them."""
+        await self.release_engine_memory()
 
     async def resume_kv_cache(self):
-        """See :meth:`clear_kv_cache`."""
+        """Nothing to restore: the next batch allocates the engine's cache again (see :meth:`wake_up`)."""
 
     async def start_profile(self, **kwargs):
         """Profiling is not wired for the tlt rollout; the trainer's timing metrics cover it."""
