@@ -17,6 +17,12 @@ catch-up width behind (the deepest strategy's accepted path and bonus token); no
 masks per tree node are built with ``nonzero``). Other steps (a tree merged with history; the catch-up after plain
 steps) run eagerly, with the policy's pass still replayed by :class:`~.graphs.GraphRunner`.
 
+A step graph is keyed by what shapes its ops: the batch bucket, the strategy, the catch-up width, the KV span its
+passes attend over (:func:`~tlt_trainers.modeling.rows.kv_span` of the rows' longest length) and which sampling
+warpers run; values (``max_new_tokens``, temperature, top-p, min-p) are read from device scalars the graph session
+holds, written once per call, so a call with other values replays the graphs of earlier ones. At most
+:data:`MAX_GRAPHS` graphs are kept, the least recently used going first.
+
 Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
 graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes
 the step eager again (the state put back once more) and switches step graphs off for the engine's graph session (its
@@ -35,16 +41,37 @@ from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
 
+# Graphs a StepGraphs (whole steps) or a GraphRunner (policy passes) keeps: the least recently used go beyond it. The
+# adaptive engine's strategies x batch buckets x KV spans reach a few dozen in a long rollout; each graph holds its
+# outputs and a share of the graph pool, so the bound keeps a long-lived session's memory bounded too.
+MAX_GRAPHS = 64
+
+
+def touch(entries: dict, key):
+    """``entries[key]`` made the most recently used (moved to the end of the dict's order); None if absent."""
+    entry = entries.pop(key, None)
+    if entry is not None:
+        entries[key] = entry
+    return entry
+
+
+def make_room(entries: dict, limit: int) -> None:
+    """Drop the least recently used entries (the first in the dict's order) until one more fits under ``limit``."""
+    while entries and len(entries) >= limit:
+        del entries[next(iter(entries))]
+
 
 class StepGraphs:
-    """Traced steps, kept with the engine's graph session across calls, keyed by (bucket, strategy name, catch-up
-    width) and the call settings a trace bakes in (``Rollout._graph_step``)."""
+    """Traced steps, kept with the engine's graph session across calls, keyed by (bucket, KV span, strategy name,
+    catch-up width) and the settings that shape a trace (``Rollout._graph_step``); at most ``max_graphs``
+    (default :data:`MAX_GRAPHS`) of them, the least recently used evicted first."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, max_graphs: int | None = None):
         if mode not in ("cuda", "static"):
             raise ValueError(f"StepGraphs mode must be 'cuda' or 'static', got {mode!r}.")
         self.mode = mode
-        self.entries: dict[tuple, tuple] = {}
+        self.entries: dict[tuple, tuple] = {}  # least recently used first
+        self.max_graphs = MAX_GRAPHS if max_graphs is None else max_graphs
         self.pool = None
         self.captures = 0  # CUDA graphs captured
         self.shapes_prepared = 0  # keys set up: a capture with "cuda", its first trace with "static"
@@ -57,9 +84,10 @@ class StepGraphs:
         ("cuda"). ``before_each()`` prepares a run (fresh uniforms); ``snapshot()`` saves the rows' mutable state
         and returns a function that restores it (for the capture's check); ``outputs_of(result)`` are the tensors
         the check compares."""
-        entry = self.entries.get(key)
+        entry = touch(self.entries, key)
         if entry is None:
             self.shapes_prepared += 1
+            make_room(self.entries, self.max_graphs)
         if self.mode == "static":
             self.entries[key] = (None, None)
             before_each()
