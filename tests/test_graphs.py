@@ -1,4 +1,4 @@
-"""The CUDA-graph path (static buffers, batch padded with finished rows, full-capacity masks) changes nothing.
+"""The CUDA-graph path (static buffers, batch padded with finished rows, KV-span masks) changes nothing.
 
 CPU cannot capture CUDA graphs; ``TLTConfig(cuda_graphs="static")`` runs the same static-buffer path without
 capturing, which is what these tests check, with EAGLE-3 feature taps too. Capture and replay themselves are

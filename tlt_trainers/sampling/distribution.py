@@ -124,8 +124,7 @@ class SamplingParams:
         the part a CUDA graph of a step must be keyed by when the values come from :class:`SamplingScalars`."""
         if not self.do_sample:
             return (False, self.uses_presence)
-        return (True, self.temperature != 1.0, self.top_k, self.top_p < 1.0, self.min_p is not None,
-                self.uses_presence)
+        return (True, self.top_k, self.top_p < 1.0, self.min_p is not None, self.uses_presence)
 
 
 class _ScalarTemperature(TemperatureLogitsWarper):
@@ -173,8 +172,9 @@ class SamplingScalars:
     """The sampling values a CUDA graph of a step reads from device memory instead of baking them in: temperature
     (and its float32 reciprocal), top-p's cut and min-p. A graph session keeps one; each ``generate()`` call
     ``fill``s it before its steps (outside any graph), so a call with another temperature, top-p or min-p replays
-    the graphs an earlier call captured. Which warpers run (and top-k's width, a shape) stays in the graph's key
-    (:meth:`SamplingParams.structure`)."""
+    the graphs an earlier call captured. Whether top-p and min-p run (and top-k's width, a shape) stays in the
+    graph's key (:meth:`SamplingParams.structure`); the temperature always runs when sampling (at 1.0 it changes
+    no bit: x / 1 and x * 1 are x), so T=1 and T=0.7 share graphs."""
 
     def __init__(self, device: torch.device | str):
         self.values = torch.ones(4, dtype=torch.float32, device=device)
@@ -195,12 +195,12 @@ class SamplingScalars:
 
     def warpers(self, params: SamplingParams) -> LogitsProcessorList:
         """``params.warpers()`` with the values read from these scalars (which ``fill(params)`` wrote): the same
-        scores bit for bit."""
+        scores bit for bit. The temperature warper runs at 1.0 too (dividing by 1 is exact), so that its presence
+        does not depend on a value."""
         warpers = LogitsProcessorList()
         if not params.do_sample:
             return warpers
-        if params.temperature != 1.0:
-            warpers.append(_ScalarTemperature(self))
+        warpers.append(_ScalarTemperature(self))
         if params.top_k != 0:
             warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
         if params.top_p < 1.0:
