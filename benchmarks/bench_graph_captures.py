@@ -58,6 +58,12 @@ def held(rollout) -> int:
                if r is not None)
 
 
+def keys(rollout) -> set:
+    """The keys of the graphs held: ("pass", bucket, tokens per row[, KV span]) and ("step", bucket, ...)."""
+    held = {("pass", *k) for k in (rollout.graphs.graphs if rollout.graphs is not None else {})}
+    return held | {("step", *k[:-1]) for k in (rollout.step_graphs.entries if rollout.step_graphs is not None else {})}
+
+
 def prepared(rollout) -> int:
     return sum(r.shapes_prepared for r in (rollout.graphs, rollout.step_graphs) if r is not None)
 
@@ -97,9 +103,10 @@ def run_arm(name: str, settings: dict, model, drafter, new_tokens: list[int], te
                                generator=torch.Generator().manual_seed(step))
         kept = session is not None and rollout.session is session
         session = rollout.session
-        before = prepared(rollout)
+        before, known = prepared(rollout), keys(rollout)
         result = rollout.run()
         rows.append({"arm": name, "step": step + 1, "max_new_tokens": n, "temperature": temperature,
+                     "new_keys": sorted(repr(k) for k in keys(rollout) - known),
                      "shapes_prepared": prepared(rollout) - before, "graphs_held": held(rollout),
                      "session_kept": kept, "engine_steps": len(result.stats.trace),
                      "batch_sizes": sorted({r.batch_size for r in result.stats.trace}),
