@@ -97,7 +97,7 @@ class GraphRunner:
         self.max_graphs = MAX_GRAPHS if max_graphs is None else max_graphs
         self.pool = None
         self.captures = 0  # CUDA graphs captured
-        self.shapes_prepared = 0  # (bucket, tokens per row) set up: a capture with "cuda", its dry run with "static"
+        self.shapes_prepared = 0  # (bucket, tokens per row, span) set up: a capture ("cuda"), its dry run ("static")
         self.replays = 0
         self.disabled: str | None = None  # why this runner went back to eager passes (a failed self-check)
 

@@ -33,7 +33,7 @@ device: the CPU tests count its ops (``step_probe``) and check its output agains
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 MAX_GRAPHS = 64
 
 
-def touch(entries: dict, key):
+def touch(entries: dict, key: Hashable) -> tuple | None:
     """``entries[key]`` made the most recently used (moved to the end of the dict's order); None if absent."""
     entry = entries.pop(key, None)
     if entry is not None:
