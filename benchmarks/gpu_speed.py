@@ -32,7 +32,7 @@ do not make the run incomplete.
 
 Exit status:
     0   every arm measured, no fallback, no TLT warning, every self-check agreed
-    1   an arm fell back to eager (a graph self-check failed: ``GraphRunner.disabled``, ``StepGraphs.disabled``,
+    1   an arm fell back to eager (a graph self-check failed: ``GraphRunner.disabled``, ``StepGraphs.failed``,
         a failed entry in ``graph_self_checks()``, or no graph session on CUDA), a TLT warning was logged (a logger
         under ``tlt_trainers``), a Triton kernel self-check failed, a strategy raised, or float32 greedy rows
         differ from plain decoding's (or plain decoding's from ``model.generate``'s)
@@ -190,7 +190,7 @@ def graph_counters(rollout) -> dict:
             "pass_replays": getattr(runner, "replays", 0), "pass_captures": getattr(runner, "captures", 0),
             "step_replays": getattr(steps, "replays", 0), "step_captures": getattr(steps, "captures", 0),
             "shapes": getattr(runner, "shapes_prepared", 0) + getattr(steps, "shapes_prepared", 0),
-            "pass_disabled": getattr(runner, "disabled", None), "step_disabled": getattr(steps, "disabled", None)}
+            "pass_disabled": getattr(runner, "disabled", None), "step_disabled": "; ".join(f"{key[:4]}: {why}" for key, why in getattr(steps, "failed", {}).items()) or None}
 
 
 def fallbacks(calls: dict[str, dict], graphs: str, checks_before: int) -> list[str]:

@@ -73,7 +73,7 @@ def counts(rollout) -> dict:
     runner, steps = rollout.graphs, rollout.step_graphs
     return {"captures": runner.captures + steps.captures, "shapes": runner.shapes_prepared + steps.shapes_prepared,
             "step_replays": steps.replays, "pass_replays": runner.replays,
-            "disabled": [d for d in (runner.disabled, steps.disabled) if d]}
+            "disabled": [d for d in (runner.disabled, *steps.failed.values()) if d]}
 
 
 CASES = {  # name: (drafter, strategy)

@@ -80,10 +80,14 @@ class RowState:
         return view
 
     def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
-        """Move rows ``movers`` into ``holes`` in place; n rows remain."""
+        """Move rows ``movers`` into ``holes`` in place; n rows remain. The rows that leave get length 0, as rows
+        that were never live have: a padded graph step computes on them (dead rows), and a stale length, up to the
+        longest row that ever ran, would reach past the KV span of the step's graph (``ActiveRows.kv_bound``)."""
         if holes.numel():
             for buffer in (self._pad, self._length):
                 buffer[holes] = buffer[movers]
+        if n < self._size:
+            self._length[n : self._size] = 0
         self._size = n
 
 

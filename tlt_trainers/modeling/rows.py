@@ -16,6 +16,24 @@ import torch
 
 from .kv_cache import RowState, compact_in_place, compaction_plan
 
+# The KV spans of passes traced into graphs: KV_SPAN_STEP * 2**i slots, capped at the capacity (see ``kv_span``)
+KV_SPAN_STEP = 256
+
+
+def kv_span(needed: int, capacity: int) -> int:
+    """The KV length a pass replayed from a graph attends over when it needs ``needed`` slots: the smallest
+    ``KV_SPAN_STEP * 2**i`` at least ``needed``, capped at ``capacity``.
+
+    A graph fixes its shapes, so its attention cannot follow the rows' lengths step by step; spanning the whole
+    capacity would make every step of a short answer in a large session pay for the capacity (scores, softmax and,
+    off CPU, SDPA's per-head copies of K/V over every slot). Doubling spans keep the cost within 2x of the work (and
+    at least ``KV_SPAN_STEP``) with a few graphs per shape: log2(capacity / KV_SPAN_STEP) + 1 of them.
+    """
+    span = KV_SPAN_STEP
+    while span < needed:
+        span *= 2
+    return min(span, capacity)
+
 
 class ActiveRows:
     """Everything that has one entry per active row; ``compact`` drops finished rows from all of it.
@@ -56,7 +74,7 @@ class ActiveRows:
         # batch, and its tokens (prompt without padding, then everything committed), extended by the step's read.
         self.host_index: list[int] = list(range(batch))
         self.host_tokens: list[list[int]] | None = None
-        self.static_shapes = False  # a padded view traced into a graph: passes span the whole capacity
+        self.static_span: int | None = None  # a padded view traced into a graph: the KV span of all its passes
 
     def _reserve(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor`` [batch, ...] copied into a buffer of ``reserved`` rows (the extra rows repeat row 0: valid
@@ -91,10 +109,15 @@ class ActiveRows:
 
     def kv_bound(self, extra: int) -> int:
         """Cache slots a pass must span when rows write up to ``extra`` slots past their length: the host's bound,
-        or the whole capacity in a view traced into a graph (whose shapes may not change from step to step)."""
-        if self.static_shapes:
-            return self.capacity
-        return min(self.max_length + extra, self.capacity)
+        or in a view traced into a graph its ``static_span`` (the step's graph is keyed by it, so every pass of the
+        step spans it; :func:`kv_span` of the host's bound for the step's widest pass)."""
+        needed = min(self.max_length + extra, self.capacity)
+        if self.static_span is None:
+            return needed
+        if needed > self.static_span:
+            raise RuntimeError(f"A traced step's pass needs {needed} cache slots, more than the {self.static_span} "
+                               "its graph spans: the step's span was computed from too small a bound (a bug).")
+        return self.static_span
 
     def padded(self, bucket: int) -> ActiveRows:
         """A view of the first ``bucket`` rows (the live ones, then dead ones) over the same buffers, for a step

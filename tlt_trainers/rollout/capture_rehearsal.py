@@ -342,14 +342,15 @@ def rehearse_step(engine, input_ids: torch.Tensor, wanted: str, max_steps: int =
     outcome: list[RehearsalResult] = []
 
     def run(key, body, snapshot, outputs_of, before_each):
-        if key[1] != wanted:
+        strategy = next(part for part in key if isinstance(part, str))  # the key's one string: the strategy's name
+        if strategy != wanted:
             return original_run(key, body, snapshot, outputs_of, before_each)
         before_each()
         move_to_meta(rollout, body, engine)
         # The context the engine records a graph in (its capture's: device, autocast), where it has one
         recording = getattr(graphs, "recording", graph_region)
         result = _run_rehearsed(body, recording, device)
-        result.traced = key[1]
+        result.traced = strategy
         outcome.append(result)
         raise _Rehearsed
 

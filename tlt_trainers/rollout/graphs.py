@@ -4,9 +4,11 @@ At small batch a decode step is dominated by kernel launches, not arithmetic: re
 graph removes them. A graph fixes every shape and address, so the engine runs graph steps on static
 buffers: the batch is padded up to a bucket (1, 2, 4, 8, ...) with rows that already finished
 (in-place compaction leaves live rows first, so rows past them are dead and free to compute
-garbage), attention spans the whole cache capacity (the mask hides the unused slots), and inputs
-are copied into per-shape static tensors before each replay. One graph is captured per (bucket,
-tokens per row) on first use, within one generate() call (its cache is the graphs' memory).
+garbage), attention spans a KV length bucket (:func:`~tlt_trainers.modeling.rows.kv_span`: 256, 512,
+1024, ... slots, at least the rows' longest length plus the pass's tokens, capped at the capacity; the
+mask hides the unused slots), and inputs are copied into per-shape static tensors before each replay.
+One graph is captured per (bucket, tokens per row, KV span) on first use; the runner keeps at most
+:data:`~.step_graphs.MAX_GRAPHS` of them, the least recently used going first.
 
 EAGLE-3 drafters read the residual streams entering a few of the policy's layers. Forward hooks collect them
 (:func:`~tlt_trainers.modeling.features.capture_features`); hooks are Python, so they run while a graph is being
@@ -23,7 +25,7 @@ inputs: it catches a capture that fails, reads memory it does not own or compute
 capture baked in that later steps would change (the static-buffer path the CPU tests run covers those inputs).
 
 ``mode="static"`` runs the same static-buffer path without capturing, on any device: the CPU tests
-use it to check that padding, full-capacity masks and static inputs change nothing.
+use it to check that padding, KV-span masks and static inputs change nothing.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowCache, WritePlan
+from ..sampling.distribution import SamplingScalars
 from .capture import capture_context
-from .step_graphs import StepGraphs, reset_failed_step_captures
+from .step_graphs import MAX_GRAPHS, StepGraphs, make_room, reset_failed_step_captures, touch
 from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
@@ -86,16 +89,18 @@ class GraphRunner:
     """Runs ``target.forward`` + ``target.logits`` for [batch, q] inputs on static buffers, replaying CUDA graphs."""
 
     def __init__(self, target, cache: RowCache, max_batch: int, capacity: int, mode: str = "cuda",
-                 feature_layers: tuple[int, ...] | None = None):
+                 feature_layers: tuple[int, ...] | None = None, max_graphs: int | None = None):
         if mode not in ("cuda", "static"):
             raise ValueError(f"GraphRunner mode must be 'cuda' or 'static', got {mode!r}.")
         self.target, self.cache, self.max_batch, self.capacity, self.mode = target, cache, max_batch, capacity, mode
         self.feature_layers = feature_layers  # None: the drafter reads the final hidden state
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        # (bucket, tokens per row, KV span) -> (static inputs, graph, outputs), least recently used first
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self.max_graphs = MAX_GRAPHS if max_graphs is None else max_graphs
         self.pool = None
         self.captures = 0  # CUDA graphs captured
         self.capture_attempts = 0  # captures tried, failed ones included (a step that tried one prices nothing)
-        self.shapes_prepared = 0  # (bucket, tokens per row) set up: a capture with "cuda", its dry run with "static"
+        self.shapes_prepared = 0  # (bucket, tokens per row, span) set up: a capture ("cuda"), its dry run ("static")
         self.replays = 0
         self.disabled: str | None = None  # why this runner went back to eager passes (a failed self-check)
 
@@ -112,14 +117,16 @@ class GraphRunner:
     def supports(self, batch: int) -> bool:
         return self.disabled is None and graph_bucket(batch) <= self.max_batch
 
-    def _static_inputs(self, bucket: int, q: int, masks: dict) -> dict:
+    def _static_inputs(self, bucket: int, q: int, span: int, masks: dict) -> dict:
+        """Inputs of one (bucket, q, span) graph; padding rows write at the last ``q`` slots of the span."""
         device = self.target.device
         return {
             "tokens": torch.zeros(bucket, q, dtype=torch.long, device=device),
             "positions": torch.zeros(bucket, q, dtype=torch.long, device=device),
-            "slots": (self.capacity - q + torch.arange(q, device=device)).expand(bucket, q).contiguous(),
-            "masks": {name: torch.zeros(bucket, 1, q, self.capacity, dtype=m.dtype, device=device)
+            "slots": (span - q + torch.arange(q, device=device)).expand(bucket, q).contiguous(),
+            "masks": {name: torch.zeros(bucket, 1, q, span, dtype=m.dtype, device=device)
                       for name, m in masks.items()},
+            "span": span,
         }
 
     def _run(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +136,7 @@ class GraphRunner:
             return self._pass(static)
 
     def _pass(self, static: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        self.cache.plan = WritePlan(static["slots"], self.capacity)
+        self.cache.plan = WritePlan(static["slots"], static["span"])
         masks = static["masks"]
         mask = masks["full"] if set(masks) == {"full"} else {
             "full_attention": masks["full"], "sliding_attention": masks["sliding"]}
@@ -145,14 +152,18 @@ class GraphRunner:
         """The drafter's features (the final hidden states, or EAGLE-3's tapped layers) and logits [batch, q, ...]
         of the live rows.
 
-        ``masks`` maps "full" (and "sliding" for sliding-window models) to additive masks [batch, 1, q, capacity].
+        ``masks`` maps "full" (and "sliding" for sliding-window models) to additive masks [batch, 1, q, span]: the
+        pass attends over the first ``span`` cache slots (a :func:`~tlt_trainers.modeling.rows.kv_span`, which
+        must hold ``slots``), and one graph serves each (batch bucket, q, span).
         """
         batch, q = tokens.shape
         bucket = graph_bucket(batch)
-        key = (bucket, q)
-        entry = self.graphs.get(key)
+        span = next(iter(masks.values())).shape[-1]
+        key = (bucket, q, span)
+        entry = touch(self.graphs, key)
         if entry is None:
-            static = self._static_inputs(bucket, q, masks)
+            make_room(self.graphs, self.max_graphs)  # the least recently used graph (and its outputs) go
+            static = self._static_inputs(bucket, q, span, masks)
             entry = self.graphs[key] = (static, None, None)
             self.shapes_prepared += 1
         static = entry[0]
@@ -166,9 +177,9 @@ class GraphRunner:
             if batch < bucket:
                 buffer[batch:].fill_(torch.finfo(buffer.dtype).min)
                 steps = torch.arange(q, device=buffer.device)
-                buffer[batch:, 0, steps, self.capacity - q + steps] = 0
+                buffer[batch:, 0, steps, span - q + steps] = 0
         if batch < bucket:
-            static["slots"][batch:] = self.capacity - q + torch.arange(q, device=tokens.device)
+            static["slots"][batch:] = span - q + torch.arange(q, device=tokens.device)
         if self.mode == "static":
             features, logits = self._run(static)
         else:
@@ -275,6 +286,9 @@ class GraphSession:
         self.cache = target.new_cache(capacity, reserve_rows=self.max_batch)
         self.runner = GraphRunner(target, self.cache, self.max_batch, capacity, mode=mode,
                                   feature_layers=feature_layers)
+        # Values the step graphs read from device memory, written by each call before its steps (not in their keys)
+        self.sampling = SamplingScalars(target.device)
+        self.max_new = torch.zeros((), dtype=torch.long, device=target.device)
         self.holder = None  # a weak reference to the rollout using it
         # Whole-step graphs and what they address besides the cache: the rows' buffers, the drafter's cache, the
         # uniforms' buffers per bucket and the EOS ids (tlt_trainers.rollout.step_graphs)
@@ -289,10 +303,11 @@ class GraphSession:
         return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
     def fits(self, batch: int, capacity: int, mode: str, feature_layers, params_key: tuple) -> bool:
-        # Not a session twice the size needed: full-capacity attention would cost more than a capture saves
+        """Whether a call of ``batch`` rows needing ``capacity`` slots can use this session. A larger capacity is
+        no obstacle: graphs attend over KV spans that follow the rows' lengths, not over the capacity."""
         return (self.runner.disabled is None
                 and graph_bucket(batch) <= self.max_batch
-                and capacity <= self.capacity <= 2 * self.capacity_for(capacity) and mode == self.mode
+                and capacity <= self.capacity and mode == self.mode
                 and feature_layers == self.feature_layers and params_key == self.params_key)
 
     def in_use(self) -> bool:

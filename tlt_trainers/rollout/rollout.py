@@ -19,7 +19,7 @@ from ..drafter.registry import kind_of
 from ..kernels.fused_verification import fused_verification
 from ..modeling.features import capture_features
 from ..modeling.kv_cache import RowState, WritePlan
-from ..modeling.rows import ActiveRows
+from ..modeling.rows import ActiveRows, kv_span
 from ..proposers.eagle import DraftSampling
 from ..proposers.history import HistoryProposer, MergedProposer
 from ..proposers.strategy import NONE, Strategy
@@ -117,6 +117,13 @@ class Rollout:
         self._one_off = False  # this step ran a traced strategy eagerly (a one-off the selector does not price)
         self.session = session
         self.step_graphs = session.step_graphs if session is not None else None
+        # max_new_tokens as the steps' ops read it: a device scalar of the session, which traced steps read instead
+        # of baking the value in (so do the warpers: temperature, top-p, min-p), or the plain int
+        self.max_new_limit: torch.Tensor | int = max_new_tokens
+        if session is not None:
+            session.max_new.fill_(max_new_tokens)
+            session.sampling.fill(params)
+            self.max_new_limit, self.warpers = session.max_new, session.sampling.warpers(params)
         self._step_generator = None
         reserved = session.max_batch if session is not None else batch
         self.rows = self._new_rows(input_ids, pad, params, session.cache if session is not None else None, reserved)
@@ -239,8 +246,12 @@ class Rollout:
                 traced = NONE  # no row has a match: a plain step
             else:
                 proposal_width = drafts.shape[1]
+        # Every pass of the step attends over one KV span, from the host's bound on the rows' lengths and the most
+        # slots past them that any pass of the step writes: the catch-up, the drafts, the verified nodes
+        extra = max(width, traced.scratch_slots + 1, traced.depth + 1, proposal_width + 1)
+        span = kv_span(rows.max_length + extra, rows.capacity)
         view = rows.padded(bucket)
-        view.static_shapes = True
+        view.static_span = span
         stream = self._uniform_stream(bucket)
         sampling = getattr(self.drafting, "sampling", None)
 
@@ -257,8 +268,9 @@ class Rollout:
                 if sampling is not None:
                     sampling.generator = saved[1]
 
-        # Everything the traced step bakes in besides addresses: its shapes and the call's settings
-        key = (bucket, traced.name, width, proposal_width, self.params, self.max_new,
+        # Everything the traced step bakes in besides addresses: its shapes and which ops sample (values such as
+        # max_new_tokens and the temperature are read from the session's device scalars)
+        key = (bucket, span, traced.name, width, proposal_width, self.params.structure(),
                self.feature_sink is not None, rows.host_tokens is not None,
                None if self.eos is None else self.eos.data_ptr())
         if self.use_drafter:
@@ -267,7 +279,7 @@ class Rollout:
                             lambda t: [t.packed, t.emitted, t.finished],
                             lambda reset_only=False: stream.refill(self._uniform_generator(),
                                                                    reset_only or not self.params.do_sample))
-        rows.features_used = rows.capacity  # traced steps do not track it on the host
+        rows.features_used = max(rows.features_used, span)  # every slot a traced step writes is below its span
         return result
 
     def _history_drafts(self, strategy: Strategy, bucket: int) -> torch.Tensor | None:
@@ -395,12 +407,12 @@ class Rollout:
         """The drafter's features and float32 logits of a decode/verify pass over the first ``kv_len`` cache slots
         (at least ``slots.max() + 1``); ``mask_for(kv_len)`` builds its mask(s).
 
-        Replayed from a CUDA graph (full-capacity masks, padded batch) when the engine has a graph runner; the
-        graph outputs the drafter's features too (EAGLE-3's tapped layers included).
+        Replayed from a CUDA graph (masks over a KV span of at least ``kv_len``, padded batch) when the engine has a
+        graph runner; the graph outputs the drafter's features too (EAGLE-3's tapped layers included).
         """
         runner = self.graphs
         if runner is not None and not self._tracing and runner.supports(tokens.shape[0]):
-            mask = mask_for(self.capacity)
+            mask = mask_for(kv_span(kv_len, self.capacity))
             masks = {"full": mask} if isinstance(mask, torch.Tensor) else {
                 "full": mask["full_attention"], "sliding": mask["sliding_attention"]}
             return runner(tokens, positions, slots, masks)
@@ -475,7 +487,7 @@ class Rollout:
             count = torch.where(has_eos, is_eos.to(torch.int64).argmax(dim=1) + 1, count)
         else:
             has_eos = torch.zeros_like(count, dtype=torch.bool)
-        remaining = self.max_new - rows.generated
+        remaining = self.max_new_limit - rows.generated
         count = torch.where(rows.live, torch.minimum(count, remaining), 0)
         advance = torch.where(rows.live, advance, 0)
         hit_eos = has_eos
@@ -490,7 +502,7 @@ class Rollout:
             rows.presence.scatter_(1, marks, True)
         rows.generated.add_(count)
         rows.state.length.add_(advance)
-        finished = (hit_eos | (rows.generated >= self.max_new)) & rows.live
+        finished = (hit_eos | (rows.generated >= self.max_new_limit)) & rows.live
         return count, finished
 
     def _pack_report(self, emitted: torch.Tensor, count: torch.Tensor, finished: torch.Tensor,
@@ -503,7 +515,7 @@ class Rollout:
         rows = self.rows
         live = rows.live
         values = [count.sum(), finished.sum(), torch.where(live, rows.state.length, 0).max(),
-                  torch.where(live, rows.generated, self.max_new).min(),
+                  torch.where(live, rows.generated, self.max_new_limit).min(),
                   count.new_zeros(()) if nonfinite is None else nonfinite]
         if rows.draft_state is not None:
             values.append(torch.where(live, rows.state.length - rows.draft_state.length, 0).max())

@@ -17,6 +17,12 @@ catch-up width behind (the deepest strategy's accepted path and bonus token); no
 masks per tree node are built with ``nonzero``). Other steps (a tree merged with history; the catch-up after plain
 steps) run eagerly, with the policy's pass still replayed by :class:`~.graphs.GraphRunner`.
 
+A step graph is keyed by what shapes its ops: the batch bucket, the strategy, the catch-up width, the KV span its
+passes attend over (:func:`~tlt_trainers.modeling.rows.kv_span` of the rows' longest length) and which sampling
+warpers run; values (``max_new_tokens``, temperature, top-p, min-p) are read from device scalars the graph session
+holds, written once per call, so a call with other values replays the graphs of earlier ones. At most
+:data:`MAX_GRAPHS` graphs are kept, the least recently used going first.
+
 Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
 graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes
 the step eager again (the state put back once more) and switches step graphs off for the engine's graph session (its
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -37,7 +43,8 @@ from .step_probe import graph_region
 
 logger = logging.getLogger(__name__)
 
-# (device, model class, bucket, strategy, catch-up width, proposal width) -> why its capture failed in this process.
+# (device, model class, bucket, KV span, strategy, catch-up width, proposal width) -> why its capture failed in this
+# process.
 # Another session or engine on the same shapes runs that step eagerly without trying (and warning) again.
 _FAILED_STEPS: dict[tuple, str] = {}
 
@@ -52,18 +59,41 @@ def reset_failed_step_captures() -> None:
     _FAILED_STEPS.clear()
 
 
-class StepGraphs:
-    """Traced steps, kept with the engine's graph session across calls, keyed by (bucket, strategy name, catch-up
-    width) and the call settings a trace bakes in (``Rollout._graph_step``)."""
+# Graphs a StepGraphs (whole steps) or a GraphRunner (policy passes) keeps: the least recently used go beyond it. The
+# adaptive engine's strategies x batch buckets x KV spans reach a few dozen in a long rollout; each graph holds its
+# outputs and a share of the graph pool, so the bound keeps a long-lived session's memory bounded too.
+MAX_GRAPHS = 64
 
-    def __init__(self, mode: str, device: torch.device | str | None = None, model_name: str = ""):
+
+def touch(entries: dict, key: Hashable) -> tuple | None:
+    """``entries[key]`` made the most recently used (moved to the end of the dict's order); None if absent."""
+    entry = entries.pop(key, None)
+    if entry is not None:
+        entries[key] = entry
+    return entry
+
+
+def make_room(entries: dict, limit: int) -> None:
+    """Drop the least recently used entries (the first in the dict's order) until one more fits under ``limit``."""
+    while entries and len(entries) >= limit:
+        del entries[next(iter(entries))]
+
+
+class StepGraphs:
+    """Traced steps, kept with the engine's graph session across calls, keyed by (bucket, KV span, strategy name,
+    catch-up width) and the settings that shape a trace (``Rollout._graph_step``); at most ``max_graphs``
+    (default :data:`MAX_GRAPHS`) of them, the least recently used evicted first."""
+
+    def __init__(self, mode: str, device: torch.device | str | None = None, model_name: str = "",
+                 max_graphs: int | None = None):
         if mode not in ("cuda", "static"):
             raise ValueError(f"StepGraphs mode must be 'cuda' or 'static', got {mode!r}.")
         self.mode = mode
         # The device the steps' tensors live on: captures are bound to it, whatever the calling thread's is
         self.device = torch.device(device if device is not None else ("cuda" if mode == "cuda" else "cpu"))
         self.model_name = model_name
-        self.entries: dict[tuple, tuple] = {}
+        self.entries: dict[tuple, tuple] = {}  # least recently used first
+        self.max_graphs = MAX_GRAPHS if max_graphs is None else max_graphs
         self.pool = None
         self.captures = 0  # CUDA graphs captured
         self.capture_attempts = 0  # captures tried, failed ones included (a step that tried one prices nothing)
@@ -77,9 +107,14 @@ class StepGraphs:
         ("cuda"). ``before_each()`` prepares a run (fresh uniforms); ``snapshot()`` saves the rows' mutable state
         and returns a function that restores it (for the capture's check); ``outputs_of(result)`` are the tensors
         the check compares."""
-        entry = self.entries.get(key)
+        if self.mode == "cuda" and (key in self.failed or self._shape_of(key) in _FAILED_STEPS):
+            self.failed.setdefault(key, _FAILED_STEPS.get(self._shape_of(key), "failed"))
+            before_each()
+            return body()  # eagerly: no graph of this shape in this process
+        entry = touch(self.entries, key)
         if entry is None:
             self.shapes_prepared += 1
+            make_room(self.entries, self.max_graphs)
         if self.mode == "static":
             self.entries[key] = (None, None)
             before_each()
@@ -87,10 +122,6 @@ class StepGraphs:
                 result = body()
             self.replays += 1
             return result
-        if key in self.failed or self._shape_of(key) in _FAILED_STEPS:
-            self.failed.setdefault(key, _FAILED_STEPS.get(self._shape_of(key), "failed"))
-            before_each()
-            return body()  # eagerly: no graph of this key in this process
         if entry is None:
             return self._capture_checked(key, body, snapshot, outputs_of, before_each)
         graph, result = entry
@@ -129,17 +160,18 @@ class StepGraphs:
         shape = self._shape_of(key)
         if shape not in _FAILED_STEPS:  # once per process and step shape
             _FAILED_STEPS[shape] = reason
-            logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, strategy, catch-up width %s) "
+            logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, KV span, strategy, catch-up "
+                           "width %s) "
                            "failed its self-check: %s. Steps of this shape run eagerly for the rest of the process "
                            "(the same tokens; more launches per step); other steps keep their graphs. Please report "
-                           "it with your GPU, torch and transformers versions.", key[:3], reason)
+                           "it with your GPU, torch and transformers versions.", key[:4], reason)
         restore()
         before_each(reset_only=True)
         return body()
 
     def _shape_of(self, key: tuple) -> tuple:
         """What a capture's failure is remembered by across engines: device, model, and the step's shape."""
-        return (str(self.device), self.model_name, *key[:4])
+        return (str(self.device), self.model_name, *key[:5])
 
     @contextlib.contextmanager
     def recording(self):

@@ -119,6 +119,96 @@ class SamplingParams:
             warpers.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
         return warpers
 
+    def structure(self) -> tuple:
+        """What of these settings shapes the ops that sample (which warpers run, top-k's width), not their values:
+        the part a CUDA graph of a step must be keyed by when the values come from :class:`SamplingScalars`."""
+        if not self.do_sample:
+            return (False, self.uses_presence)
+        return (True, self.top_k, self.top_p < 1.0, self.min_p is not None, self.uses_presence)
+
+
+class _ScalarTemperature(TemperatureLogitsWarper):
+    """``TemperatureLogitsWarper`` dividing by a device scalar: bit for bit what ``scores / temperature`` gives with
+    a Python float. On CPU that is a true division; CUDA's kernel, given a host scalar, multiplies by its float32
+    reciprocal instead (``div_true_kernel_cuda``), which a 0-dim device tensor would not, so on CUDA this multiplies
+    by the reciprocal computed as that kernel does."""
+
+    def __init__(self, scalars: SamplingScalars):
+        self.scalars = scalars
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        if scores.device.type == "cuda":
+            return scores * self.scalars.inverse_temperature
+        return scores / self.scalars.temperature
+
+
+class _ScalarTopP(TopPLogitsWarper):
+    """``TopPLogitsWarper`` whose cut ``1 - top_p`` is a device scalar (float32 of the float64 difference, what the
+    comparison with a Python float uses); the same ops as transformers' ``__call__`` otherwise."""
+
+    def __init__(self, scalars: SamplingScalars):
+        super().__init__(top_p=0.5, min_tokens_to_keep=1)  # the value is read from ``scalars`` at each call
+        self.scalars = scalars
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_indices_to_remove = cumulative_probs <= self.scalars.top_p_cut
+        sorted_indices_to_remove[..., -self.min_tokens_to_keep :] = 0
+        indices_to_remove = sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
+        return scores.masked_fill(indices_to_remove, self.filter_value)
+
+
+class _ScalarMinP(MinPLogitsWarper):
+    """transformers' ``MinPLogitsWarper`` itself, its ``min_p`` a float32 device scalar (``min_p * top_probs`` with
+    a Python float multiplies by its float32 value too)."""
+
+    def __init__(self, scalars: SamplingScalars):
+        super().__init__(min_p=0.5, min_tokens_to_keep=1)  # replaced by the device scalar
+        self.min_p = scalars.min_p
+
+
+class SamplingScalars:
+    """The sampling values a CUDA graph of a step reads from device memory instead of baking them in: temperature
+    (and its float32 reciprocal), top-p's cut and min-p. A graph session keeps one; each ``generate()`` call
+    ``fill``s it before its steps (outside any graph), so a call with another temperature, top-p or min-p replays
+    the graphs an earlier call captured. Whether top-p and min-p run (and top-k's width, a shape) stays in the
+    graph's key (:meth:`SamplingParams.structure`); the temperature always runs when sampling (at 1.0 it changes
+    no bit: x / 1 and x * 1 are x), so T=1 and T=0.7 share graphs."""
+
+    def __init__(self, device: torch.device | str):
+        self.values = torch.ones(4, dtype=torch.float32, device=device)
+        self.temperature, self.inverse_temperature, self.top_p_cut, self.min_p = self.values.unbind(0)
+        self._filled: tuple | None = None
+
+    def fill(self, params: SamplingParams) -> None:
+        """Write ``params``' values (one host-to-device copy, skipped when they did not change)."""
+        filled = (params.temperature, params.top_p, params.min_p)
+        if filled == self._filled:
+            return
+        temperature = torch.tensor(float(params.temperature), dtype=torch.float32)
+        host = torch.stack([temperature, torch.ones((), dtype=torch.float32) / temperature,  # float32 1 / float32 T
+                            torch.tensor(1 - params.top_p, dtype=torch.float32),
+                            torch.tensor(0.0 if params.min_p is None else params.min_p, dtype=torch.float32)])
+        self.values.copy_(host)
+        self._filled = filled
+
+    def warpers(self, params: SamplingParams) -> LogitsProcessorList:
+        """``params.warpers()`` with the values read from these scalars (which ``fill(params)`` wrote): the same
+        scores bit for bit. The temperature warper runs at 1.0 too (dividing by 1 is exact), so that its presence
+        does not depend on a value."""
+        warpers = LogitsProcessorList()
+        if not params.do_sample:
+            return warpers
+        warpers.append(_ScalarTemperature(self))
+        if params.top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+        if params.top_p < 1.0:
+            warpers.append(_ScalarTopP(self))
+        if params.min_p is not None:
+            warpers.append(_ScalarMinP(self))
+        return warpers
+
 
 def unsupported_generation_setting(generation_config) -> tuple[str, object, object] | None:
     """The first setting of ``generation_config`` that makes ``generate`` do something the engine does not
