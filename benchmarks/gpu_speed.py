@@ -190,7 +190,9 @@ def graph_counters(rollout) -> dict:
             "pass_replays": getattr(runner, "replays", 0), "pass_captures": getattr(runner, "captures", 0),
             "step_replays": getattr(steps, "replays", 0), "step_captures": getattr(steps, "captures", 0),
             "shapes": getattr(runner, "shapes_prepared", 0) + getattr(steps, "shapes_prepared", 0),
-            "pass_disabled": getattr(runner, "disabled", None), "step_disabled": "; ".join(f"{key[:4]}: {why}" for key, why in getattr(steps, "failed", {}).items()) or None}
+            "pass_disabled": getattr(runner, "disabled", None),
+            "step_disabled": "; ".join(f"{key[:4]}: {why}" for key, why in getattr(steps, "failed", {}).items())
+            or None}
 
 
 def fallbacks(calls: dict[str, dict], graphs: str, checks_before: int) -> list[str]:
