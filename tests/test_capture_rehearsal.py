@@ -123,23 +123,30 @@ def test_autocast_state_is_part_of_the_session_key():
     assert engine._graph_session is not plain
 
 
+def _exact_across_an_in_place_update(model, engine, device_type: str, check_session) -> None:
+    """Two greedy calls under autocast(bf16), the weights updated in place between them (as an optimizer step): each
+    call equals model.generate under the same autocast; ``check_session(engine)`` after each."""
+    ids, mask = (t.to(model.device) for t in padded_prompts([5, 3, 7], seed=5))
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+    for round_ in range(2):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            ours = engine.generate(ids, **kwargs).sequences
+            reference = model.generate(ids, **kwargs)
+        assert torch.equal(ours, reference[:, : ours.shape[1]]), f"round {round_}"
+        check_session(engine)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.2)  # in place: the session's parameter key is unchanged
+
+
 def test_weights_updated_in_place_between_calls_under_autocast_stay_exact():
     """As TRL runs it: fp32 weights, generation under autocast(bf16), an in-place optimizer step between calls. The
     kept session replays on the new weights, as model.generate under the same autocast."""
     model = tiny_model("llama", logit_scale=4.0)
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never", cuda_graphs="static"))
-    ids, mask = padded_prompts([5, 3, 7], seed=5)
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
-    for round_ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ours = engine.generate(ids, **kwargs).sequences
-            reference = model.generate(ids, **kwargs)
-        assert torch.equal(ours, reference[:, : ours.shape[1]]), f"round {round_}"
-        session = engine._graph_session
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.2)  # in place: the session's parameter key is unchanged
-    assert engine._graph_session is session
+    sessions = []
+    _exact_across_an_in_place_update(model, engine, "cpu", lambda e: sessions.append(e._graph_session))
+    assert sessions[0] is sessions[1]  # the same session, kept across the update
 
 
 # ------------------------------------------------------------------------------------------ faults 1-2 on CUDA paths
@@ -289,14 +296,8 @@ def test_graphs_captured_under_autocast_replay_exactly_after_an_in_place_update(
     weight update between the calls: the second call's replays read the new weights, as model.generate does."""
     model = tiny_model("llama", logit_scale=4.0).cuda()
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
-    ids, mask = (t.cuda() for t in padded_prompts([5, 3, 7], seed=5))
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
-    for round_ in range(2):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ours = engine.generate(ids, **kwargs).sequences
-            reference = model.generate(ids, **kwargs)
-        assert torch.equal(ours, reference[:, : ours.shape[1]]), f"round {round_}"
+
+    def captured(engine):
         assert engine._graph_session is not None and engine._graph_session.runner.captures > 0
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.2)
+
+    _exact_across_an_in_place_update(model, engine, "cuda", captured)

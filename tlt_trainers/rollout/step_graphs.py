@@ -25,9 +25,10 @@ holds, written once per call, so a call with other values replays the graphs of 
 
 Every capture is checked before its graph is used: the step runs eagerly (the warm-up), its state is put back, the
 graph is captured and replayed, and both must emit the same tokens and counts; a disagreement or an exception makes
-the step eager again (the state put back once more) and switches step graphs off for the engine's graph session (its
-next call starts a new one), with one warning. ``mode="static"`` traces the same body without capturing, on any
-device: the CPU tests count its ops (``step_probe``) and check its output against ``model.generate``.
+the step eager again (the state put back once more) and switches that step shape's graph off for the rest of the
+process (other shapes keep theirs), with one warning per shape. ``mode="static"`` traces the same body without
+capturing, on any device: the CPU tests count its ops (``step_probe``) and check its output against
+``model.generate``.
 """
 
 from __future__ import annotations
@@ -161,10 +162,9 @@ class StepGraphs:
         if shape not in _FAILED_STEPS:  # once per process and step shape
             _FAILED_STEPS[shape] = reason
             logger.warning("TLT: the CUDA graph of a whole speculative step (bucket, KV span, strategy, catch-up "
-                           "width %s) "
-                           "failed its self-check: %s. Steps of this shape run eagerly for the rest of the process "
-                           "(the same tokens; more launches per step); other steps keep their graphs. Please report "
-                           "it with your GPU, torch and transformers versions.", key[:4], reason)
+                           "width %s) failed its self-check: %s. Steps of this shape run eagerly for the rest of the "
+                           "process (the same tokens; more launches per step); other steps keep their graphs. Please "
+                           "report it with your GPU, torch and transformers versions.", key[:4], reason)
         restore()
         before_each(reset_only=True)
         return body()
@@ -182,10 +182,9 @@ class StepGraphs:
 
     def _warm_up(self, body):
         """The step run eagerly on a side stream of its device, as a capture requires (plainly without CUDA)."""
-        if self.device.type != "cuda":
-            with capture_context(self.device):
-                return body()
         with capture_context(self.device):
+            if self.device.type != "cuda":
+                return body()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
