@@ -8,7 +8,9 @@ Both trainers run in this process, one after the other, the order alternating pe
 SmolLM2-135M-Instruct, ``num_generations`` answers per prompt ending at their own end of sequence. The table reports
 TRL's own ``step_time`` per optimizer step (median over the steps after the first, which holds the engines'
 warm-up) and stock/TLT (>1: TLT faster), plus what TLT did in those steps: drafter micro-steps and seconds, vLLM's
-acceptance length, drafter updates loaded into the engine.
+acceptance length, drafter updates loaded into the engine, the seconds speculation saved. TLT runs twice by default:
+``tlt`` with its default ``drafter_update_budget="payback"`` (training paid from what speculation saved) and
+``tlt-fixed`` with ``"fixed"`` (``drafter_update_fraction`` of every rollout, the budget before it).
 
 On a CPU, stock TRL's colocated engine cannot start (TRL asks vLLM for its ``external_launcher`` executor and loads
 weights with ``load_weights``, which vLLM's CPU backend does not support), so the baseline there is
@@ -49,6 +51,10 @@ def parse_args():
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dataset", default="basic_arithmetic")
     p.add_argument("--output-dir", default="runs/bench_trl_vllm")
+    p.add_argument("--trainers", default="stock,tlt,tlt-fixed",
+                   help="comma-separated: stock, tlt (drafter_update_budget='payback', the default) and tlt-fixed "
+                        "(drafter_update_budget='fixed': drafter_update_fraction of every rollout)")
+    p.add_argument("--out", default="bench_trl_vllm", help="results file name under benchmarks/results/")
     return p.parse_args()
 
 
@@ -99,8 +105,9 @@ def build(kind: str, path: str, args, train_dataset, tokenizer, callback):
                   vllm_max_model_length=1024, disable_tqdm=True)
     kwargs = dict(model=path, reward_funcs=correct, train_dataset=train_dataset, processing_class=tokenizer,
                   callbacks=[callback])
-    if kind == "tlt":
-        return TLTGRPOTrainer(args=TLTGRPOConfig(**common), **kwargs)
+    if kind.startswith("tlt"):
+        budget = "fixed" if kind == "tlt-fixed" else "payback"
+        return TLTGRPOTrainer(args=TLTGRPOConfig(**common, drafter_update_budget=budget), **kwargs)
     if torch.cuda.is_available():
         return GRPOTrainer(args=GRPOConfig(**common), **kwargs)
     from tlt_trainers.trl.vllm_colocate import tlt_vllm_generation
@@ -122,9 +129,12 @@ def main() -> None:
     path = str(smollm2_hf_dir())
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_dataset = dataset(args.steps * args.prompts, args.dataset)
+    kinds = tuple(args.trainers.split(","))
+    if "stock" not in kinds or not set(kinds) <= {"stock", "tlt", "tlt-fixed"}:
+        raise SystemExit(f"--trainers {args.trainers}: name stock and any of tlt, tlt-fixed")
     raw = []
     for rep in range(args.reps):
-        for kind in (("stock", "tlt") if rep % 2 == 0 else ("tlt", "stock")):
+        for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
             callback = step_logs()
             trainer = build(kind, path, args, train_dataset, tokenizer, callback)
             start = time.perf_counter()
@@ -145,21 +155,22 @@ def main() -> None:
         times = [r["step_time"] for r in steps(kind, rep)]
         return statistics.median(times[1:] if len(times) > 1 else times)
 
-    ratios = [median_step("stock", rep) / median_step("tlt", rep) for rep in range(args.reps)]
     rows = []
-    for kind in ("stock", "tlt"):
+    for kind in kinds:
         mine = steps(kind)
         row = [kind, f"{statistics.median(median_step(kind, rep) for rep in range(args.reps)):.2f}",
                f"{statistics.median(r['completions/mean_length'] for r in mine):.0f}"]
-        if kind == "tlt":
+        if kind != "stock":
+            ratios = [median_step("stock", rep) / median_step(kind, rep) for rep in range(args.reps)]
             row += [f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
                     f"{statistics.mean(r.get('tlt/drafter_steps', 0) for r in mine):.1f}",
                     f"{statistics.mean(r.get('tlt/drafter_update_seconds', 0) for r in mine):.2f}",
                     _fmt(statistics.mean(r.get("tlt/acceptance_length", float("nan")) for r in mine)),
                     f"{max(r.get('tlt/drafter_updates_loaded', 0) for r in mine):.0f}",
-                    _fmt(statistics.mean(r.get("tlt/vllm_speculative_step_fraction", float("nan")) for r in mine))]
+                    _fmt(statistics.mean(r.get("tlt/vllm_speculative_step_fraction", float("nan")) for r in mine)),
+                    _fmt(statistics.mean(r.get("tlt/speculation_saved_seconds", float("nan")) for r in mine))]
         else:
-            row += ["1", "-", "-", "-", "-", "-"]
+            row += ["1", "-", "-", "-", "-", "-", "-"]
         row.append(_fmt(statistics.mean(r.get("sampling/importance_sampling_ratio/mean", float("nan")) for r in mine)))
         rows.append(row)
     print(f"TRL {trl.__version__}, vLLM {vllm.__version__}, SmolLM2-135M-Instruct, {args.prompts} prompts x "
@@ -167,8 +178,8 @@ def main() -> None:
           f"{args.temperature}, {args.steps} steps x {args.reps} reps; TLT: vLLM with the drafter, adaptive:")
     table = print_table(["trainer", "step s (median)", "completion tokens", "stock/TLT step time",
                          "drafter steps/step", "drafter s/step", "acceptance length", "updates loaded",
-                         "drafting steps", "IS ratio (mean)"], rows)
-    write_results("bench_trl_vllm", {"trl": trl.__version__, "vllm": vllm.__version__, "settings": vars(args),
+                         "drafting steps", "saved s/step", "IS ratio (mean)"], rows)
+    write_results(args.out, {"trl": trl.__version__, "vllm": vllm.__version__, "settings": vars(args),
                                      "raw": raw, "table": table})
 
 

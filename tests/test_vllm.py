@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_model
+from vllm_engines import shut_down
 
 from tlt_trainers import EagleDrafter
 from tlt_trainers.drafter.export import export_vllm, vllm_weights
@@ -167,6 +168,7 @@ def _train_drafter(model, tok, prompt_ids, completions, steps: int, **drafter_se
         mask[row, width - len(seq):] = 1
     trainer = DrafterTrainer(drafter, model, lr=2e-3, micro_batch_size=4)
     trainer.train_on_sequences(input_ids, mask, max_steps=steps)
+    drafter.top1_by_step = trainer.evaluate()["top1_by_step"]  # its agreement with the policy after training
     return drafter
 
 
@@ -202,6 +204,7 @@ def engine(tmp_path_factory):
             attach_error = None
         except ValueError as err:
             attach_error = str(err)
+        shut_down(plain)
         del plain, outputs
         gc.collect()
 
@@ -210,6 +213,7 @@ def engine(tmp_path_factory):
         llm = sync.create_llm(path, **ENGINE)
         yield SimpleNamespace(llm=llm, sync=sync, model=model, path=path, prompts=prompts, greedy=greedy,
                               reference=reference, untrained=untrained, trained=trained, attach_error=attach_error)
+        shut_down(llm)
         del llm
         sync.close()
         gc.collect()
@@ -321,12 +325,14 @@ def test_batch_size_cut_off_becomes_vllms_schedule():
 @pytest.mark.vllm
 def test_the_adaptive_schedule_follows_the_drafter_on_the_real_engine(engine):
     """speculation="adaptive" on a real engine (TLT's scheduler inside vLLM's): with the untrained drafter a trial at
-    batch 1 loses and speculation goes off; after pushing the trained drafter it is tried again, wins and stays on.
-    Greedy outputs stay plain vLLM's throughout."""
+    batch 1 loses and speculation goes off; after pushing the trained drafter with the acceptance its training
+    measured (as TLTGRPOTrainer pushes each update) it is tried again, wins and stays on. Greedy outputs stay plain
+    vLLM's throughout. (Pushed without that figure, the fixed prior of 2 tokens a step decides: on a CPU where a
+    verify step costs more than 1.6 plain steps the trained drafter was never tried again.)"""
     from vllm import SamplingParams
 
     from tlt_trainers.vllm.config import speculation_schedule
-    from tlt_trainers.vllm.schedule import engine_scheduler
+    from tlt_trainers.vllm.schedule import acceptance_from_top1, engine_scheduler
 
     sync = VLLMDrafterSync(engine.untrained, engine.path, num_speculative_tokens=3)
     spec, adaptive = speculation_schedule("adaptive", 3)
@@ -343,7 +349,9 @@ def test_the_adaptive_schedule_follows_the_drafter_on_the_real_engine(engine):
         assert state["schedule"][1] == 0 and any(r.startswith("trial") for r in reasons)
         assert any(r.startswith("loses") for r in reasons)
 
-        sync.push(engine.trained)
+        expected = acceptance_from_top1(engine.trained.top1_by_step, 3)
+        print(f"trained drafter's agreement: {engine.trained.top1_by_step} -> {1 + sum(expected):.2f} tokens")
+        sync.push(engine.trained, expected_acceptance=expected)
         for prompt, reference in zip(engine.prompts[:2], engine.reference[:2]):
             assert _ids(llm.generate([prompt], greedy, use_tqdm=False)) == [reference]
         state = scheduler.tlt_speculation_state()
@@ -362,6 +370,7 @@ def test_the_adaptive_schedule_follows_the_drafter_on_the_real_engine(engine):
         restored.merge_dict(stored)
         assert math.isfinite(restored.cost_ratio(1, 3))
     finally:
+        shut_down(llm)  # now: a failure's traceback keeps it alive (tests/vllm_engines.py)
         del llm
         sync.close()
         gc.collect()

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from test_vllm import ENGINE, ENV, MAX_TOKENS, QUESTIONS, _ids
 from tiny_models import tiny_model
+from vllm_engines import shut_down
 
 from tlt_trainers import BlockDrafter, DrafterTrainer, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.export_block import MASK_EMBEDDING_NAME
@@ -71,6 +72,7 @@ def test_vllm_serves_the_block_drafter_as_our_engine_runs_it(tmp_path):
         plain = LLM(path, **ENGINE)
         outputs = plain.generate(prompts, greedy, use_tqdm=False)
         reference, prompt_ids = _ids(outputs), [list(o.prompt_token_ids) for o in outputs]
+        shut_down(plain)
         del plain, outputs
         gc.collect()
 
@@ -109,6 +111,7 @@ def test_vllm_serves_the_block_drafter_as_our_engine_runs_it(tmp_path):
             served = _ids(llm.generate(prompts, greedy, use_tqdm=False))
             counts = spec_decode_counters(llm) - before
         finally:
+            shut_down(llm)
             del llm
             sync.close()
             gc.collect()

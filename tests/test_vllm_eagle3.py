@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from test_vllm import ENGINE, ENV, MAX_TOKENS, QUESTIONS, _ids
 from tiny_models import tiny_model
+from vllm_engines import shut_down
 
 from tlt_trainers import DrafterTrainer, Eagle3Drafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.export_eagle3 import export_eagle3_sglang, export_eagle3_vllm
@@ -69,6 +70,7 @@ def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
         plain = LLM(path, **ENGINE)
         outputs = plain.generate(prompts, greedy, use_tqdm=False)
         reference, prompt_ids = _ids(outputs), [list(o.prompt_token_ids) for o in outputs]
+        shut_down(plain)
         del plain, outputs
         gc.collect()
 
@@ -108,6 +110,7 @@ def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
             served = _ids(llm.generate(prompts, greedy, use_tqdm=False))
             counts = spec_decode_counters(llm) - before
         finally:
+            shut_down(llm)
             del llm
             sync.close()
             gc.collect()

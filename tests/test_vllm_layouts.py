@@ -15,6 +15,7 @@ import pytest
 import torch
 from public_layouts import write_eagle_authors_eagle3, write_fastrl_eagle
 from test_vllm import ENGINE, ENV, MAX_TOKENS, QUESTIONS, _ids, _train_drafter
+from vllm_engines import shut_down
 
 from tlt_trainers import Drafter, Eagle3Drafter, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.export import export_vllm
@@ -45,6 +46,7 @@ def test_vllm_serves_drafters_converted_from_public_layouts(tmp_path):
         plain = LLM(path, **ENGINE)
         outputs = plain.generate(prompts, greedy, use_tqdm=False)
         reference, prompt_ids = _ids(outputs), [list(o.prompt_token_ids) for o in outputs]
+        shut_down(plain)
         del plain, outputs
         gc.collect()
 
@@ -76,6 +78,7 @@ def test_vllm_serves_drafters_converted_from_public_layouts(tmp_path):
                 ids = _ids(llm.generate(prompts, greedy, use_tqdm=False))
                 counts = spec_decode_counters(llm) - before
             finally:
+                shut_down(llm)
                 del llm
                 gc.collect()
             results[name] = (ids, counts)

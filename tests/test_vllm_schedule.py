@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tlt_trainers.vllm.config import ADAPTIVE_SCHEDULER, GUARD_SCHEDULER, speculation_schedule
-from tlt_trainers.vllm.schedule import AdaptiveSpeculation, SpeculationSettings
+from tlt_trainers.vllm.schedule import AdaptiveSpeculation, SpeculationSettings, acceptance_from_top1
 
 K = 3
 
@@ -85,6 +85,35 @@ def test_a_drafter_that_gets_better_gets_switched_on():
     schedule.note_drafter_update()  # a trained drafter was pushed into the engine
     assert run(schedule, 2, 100, GOOD)[-50:].count(K) >= 45
     assert schedule.drafter_updates == 1
+
+
+def test_an_update_is_tried_where_its_trained_acceptance_pays_at_the_measured_cost():
+    """Where a verify step costs 1.7 plain steps, the fixed prior (2 tokens a step) cannot pay 1.25x: a pushed
+    drafter is tried again only on the acceptance its training measured (as on a slow CPU in CI, where a real
+    trained drafter was never retried)."""
+    def slow(batch, length):
+        return 0.05 * (1.7 if length else 1.0)
+
+    def after_update(expected) -> list[int]:
+        schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+        assert run(schedule, 1, 100, USELESS, cost=slow)[-50:].count(K) == 0
+        schedule.note_drafter_update(expected)
+        return run(schedule, 1, 100, GOOD, cost=slow)
+
+    assert after_update(None).count(K) == 0  # the prior: 2.0 / 1.7 = 1.18x, not worth a trial
+    assert after_update(acceptance_from_top1(0.3, K)).count(K) == 0  # 1.42 tokens: 0.84x
+    assert after_update(acceptance_from_top1(0.8, K))[-50:].count(K) >= 45  # 2.95 tokens: 1.74x, then measured
+
+
+def test_acceptance_from_training_agreement():
+    assert acceptance_from_top1(0.5, 3) == pytest.approx((0.5, 0.25, 0.125))
+    assert acceptance_from_top1([0.8, 0.5], 3) == pytest.approx((0.8, 0.4, 0.2))  # the last step's repeated
+    assert acceptance_from_top1(float("nan"), 3) == () and acceptance_from_top1([], 3) == ()
+    schedule = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    with pytest.raises(ValueError, match="one chance in"):
+        schedule.note_drafter_update([1.5])
+    schedule.note_drafter_update(())  # no figure: the fixed prior
+    assert schedule.expected_tokens(K) == pytest.approx(2.0)
 
 
 def test_without_an_update_signal_exploration_finds_the_better_drafter():
@@ -198,3 +227,17 @@ def test_a_speculative_step_is_never_priced_below_a_plain_one():
     for _ in range(8):  # rejected drafts: 1 token per step
         schedule.observe_drafts(1, [0, 0, 0])
     assert [schedule.choose(1) for _ in range(20)] == [0] * 20
+
+
+def test_saved_seconds_count_what_speculation_saved_and_lost():
+    """Each timed speculative step saves its tokens at the bucket's plain cost per token minus what it took: a good
+    drafter at batch 1 (4 tokens for 1.3x a plain step) saves 2.7 plain steps a step, a useless one loses 0.3."""
+    good = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    chosen = run(good, 1, 100, GOOD)
+    plain, step = cpu_like_cost(1, 0), cpu_like_cost(1, K)
+    timed = sum(1 for a, b in zip(chosen, chosen[1:]) if a == b == K)  # steps after a switch are not timed
+    assert good.saved_seconds == pytest.approx(timed * (4 * plain - step), rel=1e-6) and timed >= 80
+    useless = AdaptiveSpeculation(SpeculationSettings(num_speculative_tokens=K))
+    run(useless, 1, 100, USELESS)
+    assert -3 * (step - plain) <= useless.saved_seconds < 0  # a trial's few steps, then plain: nothing more lost
+    assert useless.state()["saved_seconds"] == useless.saved_seconds

@@ -30,6 +30,8 @@ DRAFTER_SYNC_SECONDS = "tlt/drafter_sync_seconds"  # bringing every rank (replic
 DRAFTER_PUSHES = "tlt/drafter_pushes"  # drafter reloads into the running vLLM engines so far
 DRAFTER_UPDATES_LOADED = "tlt/drafter_updates_loaded"  # drafter reloads into TRL's vLLM engine so far
 DRAFTER_PUSH_SECONDS = "tlt/drafter_push_seconds"  # the last reload's seconds
+SPECULATION_SAVED_SECONDS = "tlt/speculation_saved_seconds"  # what speculation saved in the rollout (vLLM adaptive)
+DRAFTER_CREDIT_SECONDS = "tlt/drafter_credit_seconds"  # the payback budget's credit left after the update
 
 # vLLM's adaptive schedule (TRL's colocated engine)
 VLLM_EXPECTED_TOKENS_PER_STEP = "tlt/vllm_expected_tokens_per_step"  # the acceptance the schedule decides on

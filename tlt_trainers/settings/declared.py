@@ -86,6 +86,24 @@ class DrafterSettings:
         metadata={"help": "Most seconds of drafter training after a rollout (see drafter_update_fraction): it "
                   "delays the policy update. 0 switches this off."},
     )
+    drafter_update_budget: str = field(
+        default="payback",
+        metadata={"help": "How long the drafter trains after a rollout when no rank had idle time: 'payback' (where "
+                  "the rollout measures what speculation saved, today TRL's colocated vLLM engine with "
+                  "speculation='adaptive': training is paid from a credit of drafter_payback_share of the seconds "
+                  "saved plus drafter_explore_share of the rollout's, within the fixed budget; see docs/vllm.md) or "
+                  "'fixed' (drafter_update_fraction of every rollout)."},
+    )
+    drafter_payback_share: float = field(
+        default=0.5,
+        metadata={"help": "With drafter_update_budget='payback': seconds of drafter training bought by each second "
+                  "speculation saved in the rollouts."},
+    )
+    drafter_explore_share: float = field(
+        default=0.02,
+        metadata={"help": "With drafter_update_budget='payback': share of each rollout's seconds spent training the "
+                  "drafter whatever speculation saved, so that a drafter that does not pay yet can start to."},
+    )
     drafter_max_idle_seconds: float = field(
         default=120.0,
         metadata={"help": "With several ranks (TRL) or rollout replicas (veRL), one that has finished its share "
@@ -130,8 +148,11 @@ class DrafterSettings:
         for name in ("drafter_unroll_steps", "drafter_micro_batch_size", "drafter_buffer_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.drafter_update_budget not in ("payback", "fixed"):
+            raise ValueError(f"drafter_update_budget={self.drafter_update_budget!r}: choose 'payback' (training paid "
+                             "from what speculation saved) or 'fixed' (drafter_update_fraction of every rollout).")
         for name in ("drafter_update_fraction", "drafter_update_seconds", "drafter_max_idle_seconds",
-                     "drafter_warmup_seconds"):
+                     "drafter_warmup_seconds", "drafter_payback_share", "drafter_explore_share"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 switches that training off).")
         if self.drafter_precision not in ("auto", "float32", "bfloat16"):

@@ -31,6 +31,7 @@ ROLLOUT_FIELDS = (
     "decode_steps",
     "speculative_steps",
     "history_proposed",  # draft tokens proposed from rollout history
+    "saved_seconds",  # what speculation saved in this rank's rollout (NaN: not measured; vLLM's adaptive schedule)
 )
 STAT_FIELDS = ROLLOUT_FIELDS + REPORT_FIELDS
 COLUMN = {name: i for i, name in enumerate(STAT_FIELDS)}

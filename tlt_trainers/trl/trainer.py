@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import json
+import math
 import os
 import shutil
 import time
@@ -46,6 +48,7 @@ from ..online import (
     IDLE,
     POST_ROLLOUT,
     MergeRule,
+    PaybackBudget,
     SliceReport,
     after_rollout_budget,
     finish_update,
@@ -65,6 +68,7 @@ logger = logging.get_logger(__name__)
 
 DRAFTER_DIR = "drafter"
 VLLM_DRAFTER_DIR = "tlt_vllm_drafter"  # under output_dir: the drafter's export that TRL's vLLM engine loads
+PAYBACK_STATE = "payback.json"  # in the drafter checkpoint: the payback budget's credit (online/payback.py)
 RNG_STATE_NAME = "tlt_rng_state_{}.pth"
 
 _CONTINUOUS_BATCHING_REASON = (
@@ -186,6 +190,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_vllm_sync = None  # set by _tlt_start_vllm: the drafter served in TRL's vLLM engine
         self._tlt_vllm_scheduler = None  # the colocated engine's adaptive scheduler (speculation="adaptive")
         self._tlt_vllm_serves_drafter = False  # whether vLLM drafts with it (on every rank, in server mode too)
+        self._tlt_saved_seconds = math.nan  # what speculation saved in this rollout (NaN: not measured)
+        self._tlt_payback = PaybackBudget(self.tlt_settings.drafter_payback_share,
+                                          self.tlt_settings.drafter_explore_share)
         if getattr(self, "_is_vlm", False):
             self._tlt_stock_reason = "vision-language models keep TRL's generation (speculation off)"
         if getattr(self, "rollout_func", None) is not None:
@@ -352,6 +359,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_pending = True
         self._tlt_rollout_start = time.perf_counter()
         self._tlt_counters = RolloutCounters()
+        self._tlt_saved_seconds = math.nan
         output = super()._generate(*args, **kwargs)
         if self._tlt_trains_at_generation_end:
             self._tlt_after_rollout()  # no-op unless generation did not pass through the hooks above (rollout_func)
@@ -424,13 +432,23 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_vllm_seen = sync.counters()
         scheduler = engine_scheduler(self.vllm_generation.llm)
         self._tlt_vllm_scheduler = scheduler if hasattr(scheduler, "tlt_speculation_state") else None
+        if self._tlt_vllm_scheduler is not None:
+            self._tlt_vllm_saved_seen = self._tlt_vllm_scheduler.tlt_speculation.saved_seconds
 
-    def _tlt_push_drafter(self) -> float:
-        """Load the drafter's current weights into the running vLLM engine; returns the seconds it took."""
+    def _tlt_push_drafter(self, top1: float = float("nan")) -> float:
+        """Load the drafter's current weights into the running vLLM engine; returns the seconds it took. ``top1``:
+        the update's agreement with the policy, from which an adaptive schedule prices its trial of the new weights
+        (NaN: its fixed prior)."""
         timing, error = None, None
         if self._tlt_vllm_sync is not None:  # every rank in colocate mode, the main process in server mode
+            options = {}
+            if self._tlt_vllm_scheduler is not None:  # TLT's adaptive schedule runs in this process (colocate)
+                from ..vllm.schedule import acceptance_from_top1
+
+                length = self._tlt_vllm_scheduler.tlt_speculation.settings.num_speculative_tokens
+                options["expected_acceptance"] = acceptance_from_top1(top1, length)
             try:
-                timing = self._tlt_vllm_sync.push(self.drafter)
+                timing = self._tlt_vllm_sync.push(self.drafter, **options)
             except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
                 error = err
         # Called on every rank in step: all of them raise a failure, none waits for the failed one in a collective.
@@ -451,6 +469,12 @@ class TLTGRPOTrainer(GRPOTrainer):
             now = self._tlt_vllm_sync.counters()
             self._tlt_counters.add_spec_decode(now - self._tlt_vllm_seen)
             self._tlt_vllm_seen = now
+        if self._tlt_vllm_scheduler is not None:  # the adaptive schedule measures what speculation saved
+            saved = self._tlt_vllm_scheduler.tlt_speculation.saved_seconds
+            if math.isnan(self._tlt_saved_seconds):
+                self._tlt_saved_seconds = 0.0
+            self._tlt_saved_seconds += saved - self._tlt_vllm_saved_seen
+            self._tlt_vllm_saved_seen = saved
         if self._tlt_trains_at_generation_end and not self._tlt_in_tool_loop and not getattr(self, "tools", None):
             self._tlt_after_rollout()  # several ranks: train on earlier rollouts' features while slower ranks generate
         return output
@@ -566,24 +590,32 @@ class TLTGRPOTrainer(GRPOTrainer):
         waited = time.perf_counter() - posted
         total_steps = trainer.step if trainer is not None else 0
         local_idle = SliceReport.from_metrics(idle, total_steps=total_steps, costs_timed=len(costs_timed))
-        row = dict(rollout_seconds=rollout_seconds, wait_seconds=waited, **counters)
+        row = dict(rollout_seconds=rollout_seconds, wait_seconds=waited, saved_seconds=self._tlt_saved_seconds,
+                   **counters)
         table = ranks.gather([float(row[name]) for name in ROLLOUT_FIELDS] + local_idle.as_row())
         column = {name: table[:, COLUMN[name]] for name in ROLLOUT_FIELDS}
 
         budget = after_rollout_budget(settings, rollout_seconds)
+        paid = settings.drafter_update_budget == "payback" and not torch.isnan(column["saved_seconds"]).any()
+        if budget is not None and paid:  # the same figures on every rank: the same decision everywhere
+            budget = self._tlt_payback.budget(column["rollout_seconds"].max().item(),
+                                              column["saved_seconds"].mean().item(), cap=budget)
         fallback = None
         # No fallback without a drafter trainer, or where vLLM runs without the drafter (training would only cost time)
         if budget is not None and trainer is not None and not (self.use_vllm and not self._tlt_vllm_serves_drafter):
             def fallback() -> list[SliceReport]:
-                update = self._tlt_train_drafter(budget, at_least_one=True)
+                steps = self._tlt_payback.affordable_steps(budget) if paid else None
+                update = self._tlt_train_drafter(budget, at_least_one=True, max_steps=steps)
                 return ranks.gather_reports(SliceReport.from_metrics(update, total_steps=trainer.step))
 
         transport = RankDrafterTransport(ranks, self.drafter, trainer, local_idle.steps, self._tlt_draft_vocab_ready)
         outcome = finish_update(ranks.reports(table), transport, MergeRule.MOST_TRAINED, fallback)
         merged = outcome.merged
+        if paid and outcome.trigger == POST_ROLLOUT:
+            self._tlt_payback.spent(outcome.fallback_seconds, max((r.steps for r in outcome.trained), default=0))
         if merged is not None:
             self._tlt_draft_vocab_ready = True
-        push_seconds = self._tlt_push_drafter() if merged is not None else 0.0
+        push_seconds = self._tlt_push_drafter(merged.top1) if merged is not None else 0.0
 
         self._tlt_log_generation("train", {name: float(column[name].sum()) for name in counters})
         metrics = self._metrics["train"]
@@ -591,6 +623,10 @@ class TLTGRPOTrainer(GRPOTrainer):
         metrics[metric.IDLE_SECONDS].append(waited_seconds(column["rollout_seconds"].tolist()))
         for name, value in update_metrics(outcome).items():
             metrics[name].append(value)
+        if not torch.isnan(column["saved_seconds"]).any():
+            metrics[metric.SPECULATION_SAVED_SECONDS].append(column["saved_seconds"].mean().item())
+        if paid:
+            metrics[metric.DRAFTER_CREDIT_SECONDS].append(self._tlt_payback.credit)
         if self._tlt_vllm_sync is not None:
             metrics[metric.DRAFTER_UPDATES_LOADED].append(float(self._tlt_vllm_pushes))
             metrics[metric.DRAFTER_PUSH_SECONDS].append(push_seconds)
@@ -608,11 +644,14 @@ class TLTGRPOTrainer(GRPOTrainer):
                 "costs_timed": costs_timed,
             })
 
-    def _tlt_train_drafter(self, max_seconds: float, should_stop=None, at_least_one: bool = False) -> dict:
-        """This rank's training slice (:func:`~tlt_trainers.online.train_slice`); ``{}`` without a drafter."""
+    def _tlt_train_drafter(self, max_seconds: float, should_stop=None, at_least_one: bool = False,
+                           max_steps: int | None = None) -> dict:
+        """This rank's training slice (:func:`~tlt_trainers.online.train_slice`); ``{}`` without a drafter.
+        ``max_steps``: a cap below ``drafter_max_steps_per_update`` (what the payback budget can pay for)."""
         if self.drafter_trainer is None:
             return {}
-        return train_slice(self.drafter_trainer, max_seconds, max_steps=self.tlt_settings.drafter_max_steps_per_update,
+        caps = [cap for cap in (self.tlt_settings.drafter_max_steps_per_update, max_steps) if cap is not None]
+        return train_slice(self.drafter_trainer, max_seconds, max_steps=min(caps) if caps else None,
                            at_least_one=at_least_one, interrupted=should_stop,
                            rebuild_draft_vocab=not self._tlt_draft_vocab_ready)
 
@@ -724,6 +763,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             card = {"policy_name": self.args.hub_model_id or self.drafter.config.target_name_or_path,
                     "training": {"GRPO steps": self.state.global_step, "drafter steps": self.drafter_trainer.step}}
             self.drafter_trainer.save_checkpoint(directory, model_card=card)
+            (directory / PAYBACK_STATE).write_text(json.dumps(self._tlt_payback.state()))
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         source = Path(checkpoint_folder) / DRAFTER_DIR
@@ -738,6 +778,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         directory = Path(checkpoint) / DRAFTER_DIR
         if (directory / TRAINER_STATE).is_file():
             self.drafter_trainer.load_checkpoint(directory)
+            if (directory / PAYBACK_STATE).is_file():
+                self._tlt_payback.load_state(json.loads((directory / PAYBACK_STATE).read_text()))
             self.drafter.eval()
             self._tlt_draft_vocab_ready = True
             self._tlt_push_drafter()

@@ -20,7 +20,12 @@ engine runs anyway (no profiling pass):
   (after a start, a drafter update or a weight reload) it is valued at no less than its prior, and it stands only
   while drafts keep coming: without a draft for ``explore_interval`` steps (doubling after each such retry, up to
   ``max_explore_interval``; a weight change resets it) the prior replaces it, so a length that lost is retried
-  after a vanishing share of steps, and a drafter that got better is found.
+  after a vanishing share of steps, and a drafter that got better is found. A push may carry the acceptance the
+  drafter's training measured (:func:`acceptance_from_top1`), which then stands in for the prior.
+
+It also counts what speculation saved (``saved_seconds``): each timed speculative step's tokens at the bucket's plain
+cost per token, minus what the step took. The payback budget of drafter training (:mod:`tlt_trainers.online.payback`)
+is paid from it.
 
 Pure Python, no vLLM: :mod:`tlt_trainers.vllm.scheduler` feeds it from inside vLLM's scheduler.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,12 +112,16 @@ class AdaptiveSpeculation:
         self.steps = 0
         self.speculative_steps = 0
         self._last_draft_step = 0
+        self._expected_acceptance: tuple[float, ...] | None = None  # the pushed drafter's, from its training
+        self.saved_seconds = 0.0  # what speculation saved against plain decoding (negative: lost), summed over steps
+        self._timed_draft_step: tuple[int, float] | None = None  # (batch, seconds) of the step whose drafts come next
 
     # ----------------------------------------------------------------- acceptance
     def observe_drafts(self, drafts: int, accepted_per_position: list[int] | tuple[int, ...]) -> None:
         """One step's drafts: how many requests carried a draft and, per position i, how many had token i accepted."""
         if drafts <= 0:
             return
+        self._count_saving(sum(int(a) for a in accepted_per_position))
         if self._stale:
             self._clear_window()
         elif self._window[0] and not self._acceptance_stands():
@@ -128,6 +138,18 @@ class AdaptiveSpeculation:
             old, old_row = self._drafts.popleft()
             self._window[0] -= old
             self._window[1] = [a - b for a, b in zip(self._window[1], old_row)]
+
+    def _count_saving(self, accepted: int) -> None:
+        """The seconds the last timed speculative step saved: its batch's tokens plus the ``accepted`` draft tokens
+        at the bucket's plain cost per token, minus what the step took. Steps not timed (switches, prefill) and
+        buckets whose plain steps are not measured count nothing."""
+        timed, self._timed_draft_step = self._timed_draft_step, None
+        if timed is None:
+            return
+        batch, seconds = timed
+        plain = self._cost(selector_bucket(batch), 0)
+        if math.isfinite(plain):
+            self.saved_seconds += (batch + accepted) / batch * plain - seconds
 
     @property
     def observed_drafts(self) -> int:
@@ -149,11 +171,21 @@ class AdaptiveSpeculation:
         interval = min(s.explore_interval * 2 ** min(self._retries, 30), s.max_explore_interval)
         return bool(self._window[0]) and not self._stale and self.steps - self._last_draft_step <= interval
 
-    def note_drafter_update(self) -> None:
-        """The drafter's weights changed: forget its acceptance and try it again where it lost."""
+    def note_drafter_update(self, expected_acceptance: Sequence[float] | None = None) -> None:
+        """The drafter's weights changed: forget its acceptance and try it again where it lost.
+
+        ``expected_acceptance[i]``: the chance that at least i + 1 draft tokens are accepted, as the trainer expects
+        it (:func:`acceptance_from_top1`). It stands in for the fixed prior until the new weights' drafts are
+        measured, so a drafter that trained well is tried even where a step costs more than the prior could pay
+        for, and one that did not is not tried where it cannot pay."""
         self.drafter_updates += 1
         self._clear_window()
         self._retries = 0
+        if expected_acceptance is not None:  # () : the trainer has no figure for these weights: the fixed prior
+            values = [float(v) for v in expected_acceptance]
+            if not all(0.0 <= v <= 1.0 for v in values):
+                raise ValueError(f"expected_acceptance={values!r}: give one chance in [0, 1] per draft position.")
+            self._expected_acceptance = tuple(values) or None
 
     def note_weights_may_have_changed(self) -> None:
         """Weights were reloaded, the policy's or the drafter's (vLLM's prefix cache was reset, as after every weight
@@ -175,8 +207,11 @@ class AdaptiveSpeculation:
 
     def observe_step(self, batch: int, length: int, seconds: float) -> None:
         """A decode step of ``batch`` requests that verified and proposed drafts of ``length`` (0: plain)."""
+        self._timed_draft_step = None
         if batch < 1 or not (seconds > 0) or not math.isfinite(seconds):
             return
+        if length > 0:
+            self._timed_draft_step = (batch, seconds)
         bucket = self._bucket(batch)
         cost = bucket.costs.setdefault(length, _Cost())
         alpha = self.settings.cost_smoothing
@@ -268,7 +303,7 @@ class AdaptiveSpeculation:
             self.profile.merge_dict(data["profile"])
 
     def _prior_tokens(self, length: int) -> float:
-        prior = self.settings.prior_accepted_per_position
+        prior = self._expected_acceptance or self.settings.prior_accepted_per_position
         return 1.0 + sum(prior[i] if i < len(prior) else 0.0 for i in range(length))
 
     def _set(self, key: int, bucket: _Bucket, length: int, reason: str) -> int:
@@ -295,11 +330,29 @@ class AdaptiveSpeculation:
             "expected_tokens": self.expected_tokens(k),
             "drafts": self.observed_drafts,
             "drafter_updates": self.drafter_updates,
+            "saved_seconds": self.saved_seconds,
             "steps": self.steps,
             "speculative_steps": self.speculative_steps,
             "costs": {key: {length: round(c.seconds, 6) for length, c in bucket.costs.items() if c.samples}
                       for key, bucket in sorted(self.buckets.items())},
         }
+
+
+def acceptance_from_top1(top1_by_step: Sequence[float] | float, length: int) -> tuple[float, ...]:
+    """The chance that at least i + 1 of ``length`` greedy draft tokens are accepted, from the drafter's training
+    agreement with the policy's top token (``top1_by_step``: per unrolled step, or one figure for all): the product
+    of the agreements up to position i, the last one repeated past the unrolled steps. NaN or no figure: ().
+    Agreement on the batches just trained on runs above held-out acceptance; the scheduler measures the truth within
+    ``trial_steps`` drafting steps."""
+    values = [top1_by_step] if isinstance(top1_by_step, (int, float)) else list(top1_by_step)
+    values = [float(v) for v in values]
+    if not values or not all(math.isfinite(v) for v in values):
+        return ()
+    chances, chance = [], 1.0
+    for i in range(length):
+        chance *= min(max(values[min(i, len(values) - 1)], 0.0), 1.0)
+        chances.append(chance)
+    return tuple(chances)
 
 
 def engine_scheduler(llm) -> Any | None:

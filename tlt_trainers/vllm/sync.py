@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,8 +173,8 @@ class VLLMDrafterSync:
         return self
 
     # ------------------------------------------------------------------ updates
-    def push(self, drafter: Drafter | None = None, *, via: str = "auto",
-             reset_prefix_cache: bool = True) -> PushTiming:
+    def push(self, drafter: Drafter | None = None, *, via: str = "auto", reset_prefix_cache: bool = True,
+             expected_acceptance: Sequence[float] | None = None) -> PushTiming:
         """Load ``drafter``'s weights (default: the one given at construction) into the engine's drafter.
 
         ``via``: ``"tensors"`` hands the tensors to the RPC as they are (an engine in this process:
@@ -183,6 +184,9 @@ class VLLMDrafterSync:
         workers run in this process, bytes otherwise.
         ``reset_prefix_cache``: drop vLLM's cached prefixes, whose drafter KV entries the old weights computed
         (stale entries cost acceptance, never correctness: the target verifies every token).
+        ``expected_acceptance``: per draft position, the chance that at least that many draft tokens are accepted, as
+        training measured it (:func:`~tlt_trainers.vllm.schedule.acceptance_from_top1`); an adaptive schedule in
+        this process prices its next trial of the new weights with it instead of its fixed prior.
         """
         if self.llm is None:
             raise RuntimeError("No engine yet: create_llm(model) or attach(llm) first.")
@@ -212,7 +216,7 @@ class VLLMDrafterSync:
             self.llm.reset_prefix_cache()
         adaptive = getattr(engine_scheduler(self.llm), "tlt_speculation", None)
         if adaptive is not None:  # an adaptive schedule in this process: measure the new drafter afresh
-            adaptive.note_drafter_update()
+            adaptive.note_drafter_update(expected_acceptance)
         self.version += 1
         return PushTiming(convert_seconds=convert, reload_seconds=max(r["seconds"] for r in results),
                           total_seconds=time.perf_counter() - start, tensors=len(tensors), version=self.version)
