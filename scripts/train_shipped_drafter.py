@@ -73,6 +73,20 @@ def sample(args) -> None:
     print(f"{len(sequences)} answers, {answer_tokens} answer tokens in {seconds:.0f}s -> {path}")
 
 
+def load_answers(directory: str | None) -> dict:
+    """``{"sequences", "answer_tokens", "command"}``: the answers of a repository data folder, or the sample
+    command's cache (``directory`` None)."""
+    if directory is None:
+        data = torch.load(cache_dir() / "answers.pt")
+        return {**data, "command": f"python scripts/train_shipped_drafter.py sample --prompts {data['prompts']}"}
+    from tlt_trainers.shipped.answers import iter_answers, read_manifest
+
+    sequences = [{"tokens": torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.int32),
+                  "prompt_len": len(a.prompt_ids), "temperature": a.temperature} for a in iter_answers(directory)]
+    return {"sequences": sequences, "answer_tokens": sum(len(s["tokens"]) - s["prompt_len"] for s in sequences),
+            "command": read_manifest(directory)["command"]}
+
+
 def new_drafter(args, model):
     from tlt_trainers import BlockDrafter, Eagle3Drafter
 
@@ -104,7 +118,7 @@ def train(args) -> None:
     from tlt_trainers.shipped.prompts import TEMPERATURES
 
     model, tokenizer = load_smollm2()
-    data = torch.load(cache_dir() / "answers.pt")
+    data = load_answers(args.data)
     sequences = data["sequences"]
     if args.minutes <= 0:
         raise SystemExit("--minutes must be > 0.")
@@ -171,9 +185,10 @@ def train(args) -> None:
                 "steps": trainer.step + (previous.get("steps", 0) if args.init else 0),
                 "tokens_trained": tokens_before + tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
                 "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size, "history": history,
-                "command": "python scripts/train_shipped_drafter.py sample --prompts {} && python scripts/"
-                           "train_shipped_drafter.py train --architecture {}{} --minutes {:g}".format(
-                               data["prompts"], args.architecture, recipe_flags(args), args.minutes)}
+                "command": "{} && python scripts/train_shipped_drafter.py train --architecture {}{} --minutes "
+                           "{:g}".format(data["command"], args.architecture,
+                                         recipe_flags(args) + (f" --data {args.data}" if args.data else ""),
+                                         args.minutes)}
         Path(args.out, "training.json").write_text(json.dumps(info, indent=2) + "\n")
     if args.architecture == "eagle3" or args.ship:
         finish(drafter, model, tokenizer, info, args)
@@ -307,6 +322,9 @@ def main() -> None:
     p.add_argument("--report-every", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: the shipped folder (EAGLE-3), the cache (block)")
+    p.add_argument("--data", default=None, help="a folder of sampled answers in the repository (scripts/"
+                   "sample_policy_answers.py, e.g. data/smollm2-135m-instruct-answers); default: the cached "
+                   "answers of the sample command")
     p = sub.add_parser("finish", help="round the trained drafter to bfloat16 and save it with its fingerprint")
     p.add_argument("--out", default=str(SHIPPED))
     p = sub.add_parser("card", help="write the model card from bench_drafters result files, one per machine")

@@ -131,3 +131,41 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     with _our_deprecations_as_errors(item.config):
         return (yield)
+
+
+# ---------------------------------------------------------------- what CI installed must run, not skip
+# TLT_REQUIRE=vllm,verl (.ci/run sets it in the legs that install them): the session stops at once when one of them
+# does not import (checked in a subprocess: importing vLLM here would change this process's logging and threads), and
+# a test that skips for a reason naming one of them fails instead. Without it, a stray torchvision that breaks
+# `import vllm` turned every vLLM test into a skip and CI went green with no vLLM coverage.
+REQUIRED = tuple(name for name in os.environ.get("TLT_REQUIRE", "").split(",") if name)
+
+
+def pytest_sessionstart(session):
+    import subprocess
+
+    for name in REQUIRED:
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.exit(f"TLT_REQUIRE={','.join(REQUIRED)}: `import {name}` fails here, so its tests would only skip:\n"
+                        f"{done.stderr.strip()[-1500:]}\nFix the install (see .ci/run), or unset TLT_REQUIRE.",
+                        returncode=3)
+
+
+def required_skip(reason: str) -> str | None:
+    """The TLT_REQUIRE'd package a skip's reason names, if any."""
+    lowered = reason.lower()
+    return next((name for name in REQUIRED if name.lower() in lowered), None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRED and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        name = required_skip(reason)
+        if name is not None:
+            report.outcome = "failed"
+            report.longrepr = (f"skipped ({reason}), but TLT_REQUIRE={','.join(REQUIRED)} says {name} is installed "
+                               "here: the test must run")

@@ -9,6 +9,7 @@ CUDA only); these tests check everything on TLT's side of the wire against the r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -127,11 +128,13 @@ def test_the_printed_command_serves_a_drafter_that_pushes_reach(policy, tmp_path
                  "always"]) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1]
     words = shlex.split(command)
-    from tlt_trainers.vllm.config import GUARD_SCHEDULER, _vllm_on_cpu
+    from tlt_trainers.vllm.config import GUARD_SCHEDULER
 
-    # a fixed length: vLLM's own scheduler, or on its CPU backend the guard that keeps sampled steps plain where
-    # speculative sampling fails its check (greedy here: it drafts every step)
-    assert (words[words.index("--scheduler-cls") + 1] == GUARD_SCHEDULER if _vllm_on_cpu()
+    # a fixed length: vLLM's own scheduler, or on its CPU backend (vLLM installed, no GPU: known without asking the
+    # code under test) the guard that keeps sampled steps plain where speculative sampling fails its check (greedy
+    # here: it drafts every step)
+    on_cpu_backend = importlib.util.find_spec("vllm") is not None and not torch.cuda.is_available()
+    assert (words[words.index("--scheduler-cls") + 1] == GUARD_SCHEDULER if on_cpu_backend
             else "--scheduler-cls" not in words)
     assert words[:2] == ["trl", "vllm-serve"] and words[words.index("--model") + 1] == path
     spec = json.loads(words[words.index("--speculative_config") + 1])
