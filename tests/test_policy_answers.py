@@ -1,6 +1,6 @@
-"""The policy's sampled answers kept in the repository (tlt_trainers/shipped/answers.py, scripts/sample_policy_answers.py)
-and the broad prompt mix they come from: shards read back what was written, held-out task families never reach the
-training data, and the committed folder is what its manifest says."""
+"""The policy's sampled answers kept in the repository (tlt_trainers/shipped/answers.py,
+scripts/sample_policy_answers.py) and the broad prompt mix they come from: shards read back what was written, held-out
+task families never reach the training data, and the committed folder is what its manifest says."""
 
 from __future__ import annotations
 
