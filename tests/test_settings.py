@@ -33,7 +33,7 @@ DRAFTER_VALUES = dict(
     drafter_rebuild_draft_vocab=True, drafter_lr=1e-4,
     drafter_unroll_steps=3,
     drafter_micro_batch_size=4, drafter_precision="float32", drafter_attention="padded", drafter_update_fraction=0.2,
-    drafter_update_seconds=10.0,
+    drafter_update_seconds=10.0, drafter_update_budget="fixed", drafter_payback_share=0.25, drafter_explore_share=0.05,
     drafter_max_idle_seconds=60.0, drafter_max_steps_per_update=7, drafter_buffer_bytes=1 << 20,
     drafter_warmup_prompts=16, drafter_warmup_seconds=30.0, drafter_warmup_lr=2e-3,
 )
