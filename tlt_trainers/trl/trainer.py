@@ -597,9 +597,10 @@ class TLTGRPOTrainer(GRPOTrainer):
 
         budget = after_rollout_budget(settings, rollout_seconds)
         paid = settings.drafter_update_budget == "payback" and not torch.isnan(column["saved_seconds"]).any()
-        if budget is not None and paid:  # the same figures on every rank: the same decision everywhere
-            budget = self._tlt_payback.budget(column["rollout_seconds"].max().item(),
-                                              column["saved_seconds"].mean().item(), cap=budget)
+        if budget is not None and paid:  # from gathered figures only: every rank takes the same decision
+            longest = column["rollout_seconds"].max().item()
+            budget = self._tlt_payback.budget(longest, column["saved_seconds"].mean().item(),
+                                              cap=after_rollout_budget(settings, longest))
         fallback = None
         # No fallback without a drafter trainer, or where vLLM runs without the drafter (training would only cost time)
         if budget is not None and trainer is not None and not (self.use_vllm and not self._tlt_vllm_serves_drafter):
