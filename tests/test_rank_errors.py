@@ -27,7 +27,7 @@ def _rank(rank: int, port: int, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         trainer = SimpleNamespace(_tlt_vllm_sync=RefusingServer() if rank == 0 else None, _tlt_ranks=RankGroup(),
-                                  drafter=None, _tlt_vllm_pushes=0)
+                                  drafter=None, _tlt_vllm_pushes=0, _tlt_vllm_scheduler=None)  # server mode
         try:
             TLTGRPOTrainer._tlt_push_drafter(trainer)
             results[rank] = "returned"
