@@ -40,6 +40,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation's ids, ready for the assistant's answer (transformers 5 returns a BatchEncoding)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def conversations(tokenizer, seed: int, count: int, max_prompt_tokens: int) -> tuple[list[dict], int]:
     """The shard's first turns: ``{"messages", "source", "prompt_ids"}``; and how many were too long."""
     from tlt_trainers.shipped.prompts import broad_prompt_mix
@@ -47,8 +53,7 @@ def conversations(tokenizer, seed: int, count: int, max_prompt_tokens: int) -> t
     kept, dropped = [], 0
     for item in broad_prompt_mix(count, seed):
         messages = [{"role": "user", "content": item["text"]}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = chat_ids(tokenizer, messages)
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
@@ -91,8 +96,7 @@ def sample_shard(llm, tokenizer, index: int, args) -> tuple[list, dict]:
         if row["source"].startswith(("chat", "code")) and finished and chosen:
             messages = row["messages"] + [{"role": "assistant", "content": tokenizer.decode(ids[:-1])},
                                           {"role": "user", "content": follow_up(seed, i)}]
-            prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            prompt = chat_ids(tokenizer, messages)
             if len(prompt) <= args.max_prompt_tokens + args.max_tokens:
                 second.append({"prompt_ids": prompt, "source": row["source"] + "+turn2"})
     if second:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,19 +66,23 @@ def training_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def estimated_acceptance_length(agreement_by_step: list[float], chain_length: int) -> float:
-    """Expected tokens per policy forward for a greedy chain of ``chain_length`` drafts.
-
-    ``agreement_by_step[d]`` is the top-1 agreement of draft step d given earlier steps were right;
-    steps past the measured ones reuse the last measured value.
-    """
+def acceptance_by_position(agreement_by_step: Sequence[float], chain_length: int) -> list[float]:
+    """Per draft position d of a greedy chain of ``chain_length`` drafts, the chance that drafts 0..d are all
+    accepted: the product of the agreements up to d. ``agreement_by_step[d]`` is the top-1 agreement of draft step d
+    given earlier steps were right; steps past the measured ones reuse the last measured value (none measured: [])."""
     if not agreement_by_step:
-        return 1.0
-    total, survive = 1.0, 1.0
+        return []
+    chances, survive = [], 1.0
     for step in range(chain_length):
         survive *= agreement_by_step[min(step, len(agreement_by_step) - 1)]
-        total += survive
-    return total
+        chances.append(survive)
+    return chances
+
+
+def estimated_acceptance_length(agreement_by_step: list[float], chain_length: int) -> float:
+    """Expected tokens per policy forward for a greedy chain of ``chain_length`` drafts
+    (:func:`acceptance_by_position`, plus the policy's own token)."""
+    return 1.0 + sum(acceptance_by_position(agreement_by_step, chain_length))
 
 
 @torch.no_grad()

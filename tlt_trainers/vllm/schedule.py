@@ -344,15 +344,13 @@ def acceptance_from_top1(top1_by_step: Sequence[float] | float, length: int) -> 
     of the agreements up to position i, the last one repeated past the unrolled steps. NaN or no figure: ().
     Agreement on the batches just trained on runs above held-out acceptance; the scheduler measures the truth within
     ``trial_steps`` drafting steps."""
+    from ..drafter.trainer import acceptance_by_position  # not at import: vLLM's scheduler loads this module
+
     values = [top1_by_step] if isinstance(top1_by_step, (int, float)) else list(top1_by_step)
     values = [float(v) for v in values]
     if not values or not all(math.isfinite(v) for v in values):
         return ()
-    chances, chance = [], 1.0
-    for i in range(length):
-        chance *= min(max(values[min(i, len(values) - 1)], 0.0), 1.0)
-        chances.append(chance)
-    return tuple(chances)
+    return tuple(acceptance_by_position([min(max(v, 0.0), 1.0) for v in values], length))
 
 
 def engine_scheduler(llm) -> Any | None:
