@@ -18,9 +18,11 @@ def repo(tmp_path):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "bench_a.json").write_text(json.dumps({
-        "command": "python benchmarks/bench_a.py", "rows": [{"speedup": 1.6511, "seconds": 18.62, "accepted": 60},
-                                                           {"speedup": 0.4201, "share": 0.741, "drafts": 81}],
-        "table": "| ratio | 2.769 |"}))
+        "command": "python benchmarks/bench_a.py", "rows": [{"speedup": 1.6511, "seconds": 18.62, "accepted": 60,
+                                                            "drafts": 81},
+                                                           {"speedup": 0.4201, "share": 0.741, "drafts": 90,
+                                                            "change": -0.25}],
+        "table": "| ratio | 2.769 |\n| other | 3.5 |", "sweep": {"1.0": {"8": 7.25}}}))
     (results / "bench_b.json").write_text(json.dumps({"rows": [{"speedup": 0.59, "x": float("nan")}]}))
     (tmp_path / "docs").mkdir()
 
@@ -39,7 +41,7 @@ def test_an_untraced_figure_is_reported_with_its_line(repo):
 
 
 def test_a_figure_of_the_results_file_named_in_its_paragraph_passes(repo):
-    assert repo("Shipped: 1.65x at batch 1, 18.6 s a rollout, 74.1%, 60 of 81 drafts accepted, ratio 2.77 "
+    assert repo("Shipped: 1.65x at batch 1, 18.6 s a rollout, 74.1%, 60 of 81 drafts accepted, -0.25 lost "
                 "(`benchmarks/results/bench_a.json`).\n") == []
 
 
@@ -50,14 +52,66 @@ def test_the_named_file_must_hold_it_even_where_another_file_does(repo):
 
 
 def test_rounding_is_as_printed(repo):
-    assert repo("1.7x and 1.651x and 2.8 (results/bench_a.json)\n") == []
-    assert len(repo("1.66x and 2.78 (results/bench_a.json)\n")) == 2  # 1.6511 and 2.769 do not print so
+    assert repo("1.7x and 1.651x and 0.42 (results/bench_a.json)\n") == []
+    assert len(repo("1.66x and 0.43 (results/bench_a.json)\n")) == 2  # 1.6511 and 0.4201 do not print so
 
 
 def test_a_range_needs_both_ends_in_one_file(repo):
     assert repo("0.42-1.65x (results/bench_a.json)\n") == []
     assert len(repo("0.59-1.65x (results/bench_a.json, results/bench_b.json)\n")) == 1  # one end in each
     assert len(repo("60 of 82 drafts (results/bench_a.json)\n")) == 1
+
+
+def test_n_of_m_is_one_pair_held_side_by_side(repo):
+    assert repo("60 of 81 drafts (results/bench_a.json)\n") == []
+    assert len(repo("60 of 90 drafts (results/bench_a.json)\n")) == 1  # both numbers are in the file, not together
+
+
+def test_only_numeric_values_count_with_their_sign(repo):
+    problems = repo("2.77, 1.0, 8 and 0.25 (results/bench_a.json)\n")  # a printed table, two keys, a dropped sign
+    assert [p.split('"')[1] for p in problems] == ["2.77", "1.0", "0.25"]  # 8 is a whole number: not a figure
+
+
+def test_a_key_path_or_table_row_names_where_a_figure_comes_from(repo):
+    assert repo("2.77 and 7.25 (`results/bench_a.json#table[ratio]`, `results/bench_a.json#sweep[1.0][8]`)\n") == []
+    assert repo("1.65x (results/bench_a.json#rows[accepted=60].speedup)\n") == []
+    problems = repo("0.42x (results/bench_a.json#rows[accepted=60].speedup)\n")
+    assert len(problems) == 1 and "is not in benchmarks/results/bench_a.json#rows[accepted=60].speedup" in problems[0]
+    problems = repo("3.5 (results/bench_a.json#table[missing])\n")
+    assert any("whose key path holds no number" in p for p in problems)
+
+
+def test_a_file_that_would_hold_most_figures_near_one_cannot_trace_it(repo, tmp_path):
+    """A figure held by a file that holds most numbers printed like it (here every two-decimal value in [0.10, 1.00))
+    is refused until the text names its row; the message says the share and where the figure is."""
+    dense = {"runs": [{"acceptance": round(0.10 + i / 100, 2)} for i in range(90)], "summary": {"ratio": 0.83}}
+    (tmp_path / "benchmarks" / "results" / "bench_dense.json").write_text(json.dumps(dense))
+    problems = repo("0.83x (results/bench_dense.json)\n")
+    assert len(problems) == 1 and "would hold 100% of the numbers printed like it nearby" in problems[0]
+    assert "#summary.ratio" in problems[0] and "#runs[73].acceptance" in problems[0]
+    assert repo("0.83x (results/bench_dense.json#summary)\n") == []
+    assert repo("0.833x (results/bench_dense.json)\n") != []  # three decimals: 90 of 900 neighbours, still 10%...
+    assert repo("0.8333x (results/bench_dense.json)\n") != []  # ...and 0.8333 is not in it at all
+
+
+def test_a_range_is_by_chance_only_where_both_ends_are(repo, tmp_path):
+    steps = {"steps": [{"seconds": s} for s in (25, 31, 42, 61, 64, 66, 70, 68, 62, 65)]}
+    (tmp_path / "benchmarks" / "results" / "bench_steps.json").write_text(json.dumps(steps))
+    assert repo("25-42 s (results/bench_steps.json)\n") == []  # 11% of whole seconds per end, about 1% for both
+    assert len(repo("42 s (results/bench_steps.json)\n")) == 1
+
+
+def test_a_readme_figure_changed_by_two_hundredths_is_caught():
+    """The checker the docs pass (issue 54): each of the README's headline ratios, moved by 0.02, fails it."""
+    readme = (doc_figures.ROOT / "README.md").read_text()
+    sources = doc_figures.Sources()
+    assert doc_figures.check_text(readme, "README.md", sources) == []
+    for figure, wrong in (("1.29x faster", "1.31x faster"), ("0.90x stock", "0.92x stock"),
+                          ("1.02x stock", "1.04x stock"), ("the rollouts 1.31x", "the rollouts 1.33x")):
+        assert figure in readme
+        problems = doc_figures.check_text(readme.replace(figure, wrong), "README.md", sources)
+        number = next(word for word in wrong.split() if word.endswith("x"))
+        assert len(problems) == 1 and f'"{number}"' in problems[0], (wrong, problems)
 
 
 def test_the_section_names_the_source_of_its_paragraphs(repo):
