@@ -6,12 +6,13 @@ one read per step (two on a step where rows finish: which ones, and their length
 graph captures in a second call with the same shapes, with the output still exactly ``model.generate``'s.
 """
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import BlockDrafter, Eagle3Drafter, SpeculativeGenerator, TLTConfig
-from tlt_trainers.rollout.step_probe import StepProbe, graph_region
+from tlt_trainers.rollout.step_probe import StepProbe, graph_region, host_buffer
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,52 @@ def test_probe_counts_reads_and_graph_regions():
     assert counts.host_reads == 4, counts.reads_by_op
     assert counts.graph_ops == 2 and counts.eager_ops == 6, (counts.graph_ops, counts.eager_by_op)
     assert torch.Tensor.tolist.__name__ == "tolist"  # the patch is undone on exit
+
+
+HOST_COPIES = {
+    "tolist": lambda x: x.tolist(),
+    "cpu": lambda x: x.cpu(),
+    "numpy": lambda x: x.numpy(),
+    "array": lambda x: np.asarray(x),
+    "to('cpu')": lambda x: x.to("cpu"),
+    "to(device='cpu')": lambda x: x.to(device="cpu"),
+    "to('cpu', dtype)": lambda x: x.to("cpu", torch.float16),
+    "copy_ into a host buffer": lambda x: host_buffer(torch.empty(6)).copy_(x),
+}
+NOT_HOST_COPIES = {
+    "to(dtype)": lambda x: x.to(torch.float16),
+    "to(x.device)": lambda x: x.to(x.device),
+    "to(other tensor)": lambda x: x.to(torch.zeros(1, dtype=torch.float64)),
+    "copy_ into a device buffer": lambda x: torch.empty(6).copy_(x),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_COPIES))
+def test_probe_counts_each_copy_to_the_host(name):
+    """Each way to copy a tensor to the host is one read: on a GPU each waits for the device (issue 54)."""
+    x = torch.arange(6.0)
+    with StepProbe() as probe:
+        HOST_COPIES[name](x)
+    assert probe.counts.host_reads == 1, probe.counts.reads_by_op
+
+
+@pytest.mark.parametrize("name", list(NOT_HOST_COPIES))
+def test_probe_leaves_casts_and_device_copies_uncounted(name):
+    x = torch.arange(6.0)
+    with StepProbe() as probe:
+        NOT_HOST_COPIES[name](x)
+    assert probe.counts.host_reads == 0, probe.counts.reads_by_op
+    assert torch.Tensor.copy_.__name__ == "copy_" and torch.Tensor.to.__name__ == "to"  # unpatched on exit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device-to-host copy needs a device (runs on the GPU)")
+def test_probe_counts_a_copy_from_the_device_into_any_host_tensor():
+    x = torch.arange(6.0, device="cuda")
+    with StepProbe() as probe:
+        torch.empty(6).copy_(x)
+        x.to(torch.device("cpu"))
+        torch.empty(6, pin_memory=True).copy_(x, non_blocking=True)
+    assert probe.counts.host_reads == 3, probe.counts.reads_by_op
 
 
 def step_reads(engine, ids, mask, **kwargs) -> list[tuple[int, bool]]:

@@ -7,8 +7,10 @@ is one more launch. A CPU has neither cost, so it cannot time them, but it can c
 ``TorchDispatchMode`` that sees every aten op the engine dispatches and sorts it into
 
 - ``host_reads``: ops whose result the host waits for (``aten._local_scalar_dense``: ``item``/``int``/``bool``;
-  ``aten.nonzero`` and its kin: a data-dependent shape; ``aten.equal``), plus ``Tensor.tolist``/``cpu``/``numpy``
-  calls on tensors of the engine's device (these copy without an aten op on CPU tensors, so they are patched);
+  ``aten.nonzero`` and its kin: a data-dependent shape; ``aten.equal``), plus the copies to the host that dispatch
+  no aten op when the engine itself runs on the CPU, so they are patched: ``Tensor.tolist``, ``cpu``, ``numpy``,
+  ``to("cpu")``, and ``copy_`` into a host buffer (a tensor on the CPU filled from another
+  device, a page-locked one, or one the engine marks with :func:`host_buffer`);
 - ``graph_ops``: ops dispatched inside :func:`graph_region`, i.e. what a CUDA graph replays (the static-buffer mode,
   ``TLTConfig(cuda_graphs="static")``, runs exactly the ops a capture would record, so on CPU they are counted);
 - ``eager_ops``: every other op: a kernel launch of its own on a GPU.
@@ -24,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _aten = torch.ops.aten
 # aten ops whose result the host must wait for (a scalar, or a shape that depends on the data)
@@ -57,6 +59,41 @@ def in_graph_region() -> bool:
     return _REGION_DEPTH[0] > 0
 
 
+def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """Marks a tensor as the host side of a device-to-host copy (a staging buffer the host reads), so that
+    :class:`StepProbe` counts a ``copy_`` into it as a host read even where the engine runs on the CPU and the copy
+    moves nothing. Returns the tensor."""
+    tensor._tlt_host_buffer = True
+    return tensor
+
+
+def _moves_to_host(tensor: torch.Tensor, *args, **kwargs) -> bool:
+    """Whether ``Tensor.to(...)`` names the host: ``to("cpu")``, ``to(device="cpu")``, ``to("cpu", torch.float16)``.
+
+    Only the host named as a string counts. On a CPU run ``to(x.device)`` (the engine moving a tensor to its own
+    device, as transformers' rotary embedding does every pass) passes the same ``torch.device("cpu")`` as a read
+    would, so a ``torch.device`` cannot be told apart; where the source is on another device the copy is a read
+    whatever names the target."""
+    device = kwargs.get("device", args[0] if args else None)
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if isinstance(device, str):
+        return torch.device(device).type == "cpu"
+    return isinstance(device, torch.device) and device.type == "cpu" and tensor.device.type not in ("cpu", "meta")
+
+
+def _copies_to_host(destination: torch.Tensor, source) -> bool:
+    """Whether ``destination.copy_(source)`` is a device-to-host copy the host will read."""
+    if destination.device.type != "cpu":
+        return False
+    if getattr(destination, "_tlt_host_buffer", False):
+        return True
+    if isinstance(source, torch.Tensor) and source.device.type not in ("cpu", "meta"):
+        return True
+    with _disable_current_modes():  # asking is an aten op of its own, not the engine's
+        return destination.is_pinned()
+
+
 def _launches_nothing(func) -> bool:
     """Views, reshapes and other aliasing ops: metadata on the host, no kernel on a device."""
     schema = func._schema
@@ -87,12 +124,13 @@ class StepProbe(TorchDispatchMode):
     def _patch(self) -> None:
         counts = self.counts
 
-        def wrap(name):
+        def wrap(name, reads_host=None):
             original = getattr(torch.Tensor, name)
 
             def counted(tensor, *args, **kwargs):
-                counts.host_reads += 1
-                counts.reads_by_op[f"Tensor.{name}"] += 1
+                if reads_host is None or reads_host(tensor, *args, **kwargs):
+                    counts.host_reads += 1
+                    counts.reads_by_op[f"Tensor.{name}"] += 1
                 return original(tensor, *args, **kwargs)
 
             self._patches.append((name, original))
@@ -100,6 +138,8 @@ class StepProbe(TorchDispatchMode):
 
         for name in ("tolist", "cpu", "numpy"):
             wrap(name)
+        wrap("to", _moves_to_host)
+        wrap("copy_", lambda tensor, source, *args, **kwargs: _copies_to_host(tensor, source))
 
     def _unpatch(self) -> None:
         for name, original in self._patches:
