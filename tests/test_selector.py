@@ -95,6 +95,49 @@ def test_a_step_that_captured_a_graph_prices_nothing():
     assert len(clean.observed[ARMS[0].name]) == len(reference.observed[ARMS[0].name]) + 1  # its tokens count
 
 
+def test_the_engine_prices_nothing_for_a_step_during_which_a_graph_was_captured(monkeypatch):
+    """The engine's own wiring (``Rollout.step``: ``costed`` from the runners' capture attempts): a faked capture,
+    with the 100x seconds a real one costs, in one step of a real rollout. That step's seconds reach neither the
+    plain pace nor any cost correction, and every other step is priced."""
+    from tlt_trainers import Eagle3Drafter
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=4)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=[0, 1, 3])
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="adaptive", cuda_graphs="static"))
+    ids, mask = padded_prompts([5, 3, 8, 2], seed=3)
+    rollout = engine.start(ids, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=16)
+    assert rollout.step_graphs is not None and rollout.selector is not None
+    costed = []
+    observe = rollout.selector.observe
+    monkeypatch.setattr(rollout.selector, "observe", lambda *a, **k: costed.append(k["costed"]) or observe(*a, **k))
+    step_with_capture = 3
+    clock = [0.0]
+    monkeypatch.setattr(rollout, "_now", lambda: clock[0])
+    speculative_step = rollout.speculative_step
+
+    def step(strategy):
+        clock[0] += 1.0
+        if len(costed) == step_with_capture:
+            rollout.step_graphs.capture_attempts += 1  # a capture tried during this step...
+            clock[0] += 100.0  # ...and its cost
+        return speculative_step(strategy)
+
+    monkeypatch.setattr(rollout, "speculative_step", step)
+    rollout.begin()
+    selector = rollout.selector
+    seen = []
+    while True:
+        seen.append((dict(selector.pace), dict(selector.profile.corrections), dict(selector.plain_seen)))
+        if not rollout.step():
+            break
+    rollout.finish()
+    assert len(costed) > step_with_capture + 1
+    assert costed[step_with_capture] is False
+    assert all(costed[:step_with_capture]) and all(costed[step_with_capture + 1:]), costed
+    assert seen[step_with_capture] == seen[step_with_capture + 1]  # the capture's 101 s priced nothing
+
+
 def test_window_forgets_a_stale_drafter():
     selector = StrategySelector(ARMS[:1], synthetic_profile(), window=50, exploration=0.0)
     feed(selector, ARMS[0], 1, 1.0, steps=100)
