@@ -10,7 +10,9 @@ Each fault, what happens, and where it is tested:
   checkpoint load as they were (here);
 - NaN or inf in the policy's logits: ``NonFiniteLogitsError`` naming the cause and the fix, plain and chain, greedy
   and sampled; a policy that is NaN already is refused when the engine is built (here);
-- an interrupt during a rollout: the engine's next rollout is exact, nothing of the interrupted one is left (here);
+- an interrupt during a rollout: the interrupted rollout lets go of the engine's kept graph session at once (its
+  traceback may outlive it), the next call takes that session again and is exact, and a step of the interrupted
+  rollout says to start a new one (here);
 - a rank killed during idle-time drafter training (torchrun, 2 ranks, gloo): torchrun stops the other rank within
   seconds and names the dead one; the last checkpoint loads, drafter included (here);
 - vLLM's CPU sampling fix failing or absent: the plugin never stops vLLM; sampled steps stay plain and the engine
@@ -176,7 +178,10 @@ def test_a_policy_with_nan_is_refused_at_construction(model):
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
 def test_an_interrupted_rollout_leaves_the_engine_exact(model, drafter, do_sample):
-    config = TLTConfig(speculation="always", strategy="chain:3")
+    """An interrupt in the middle of a call, on an engine that keeps its graph session between calls
+    (``cuda_graphs="static"``: the cache, the static buffers and the step graphs' inputs a capture would record):
+    the next call takes the same session again and is exact; nothing the interrupted call wrote is read."""
+    config = TLTConfig(speculation="always", strategy="chain:3", cuda_graphs="static")
     ids, mask = padded_prompts([3, 5, 4])
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=do_sample)
     reference_engine = SpeculativeGenerator(model, drafter, config)
@@ -184,21 +189,36 @@ def test_an_interrupted_rollout_leaves_the_engine_exact(model, drafter, do_sampl
     reference = reference_engine.generate(ids, **kwargs).sequences
 
     engine = SpeculativeGenerator(model, drafter, config)
+    other_ids, other_mask = padded_prompts([6, 2, 7], seed=5)  # the interrupted call fills the session with others
+    torch.manual_seed(2)
+    engine.generate(ids, **kwargs)  # the session the later calls keep
+    session = engine._graph_session
+    assert session is not None
     calls = [0]
 
     def interrupt(module, args):
         calls[0] += 1
-        if calls[0] == 4:
+        if calls[0] == 6:
             raise KeyboardInterrupt
 
     handle = model.model.register_forward_pre_hook(interrupt)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            engine.generate(ids, **kwargs)
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            engine.generate(other_ids, attention_mask=other_mask, max_new_tokens=20, do_sample=do_sample)
     finally:
         handle.remove()
+    assert calls[0] == 6  # interrupted in its decode steps, on that session
+    # The interrupt's traceback is kept, as an interactive session keeps it (sys.last_traceback), and with it the
+    # interrupted call's rollout: it must have let go of the session
+    assert interrupted.value.__traceback__ is not None
     torch.manual_seed(1)
-    assert torch.equal(engine.generate(ids, **kwargs).sequences, reference)
+    rollout = engine.start(ids, **kwargs)
+    assert rollout.session is session, "the next call took a private session: the interrupted one still holds it"
+    assert torch.equal(rollout.run().sequences, reference)
+    stopped = next(f.frame.f_locals["self"] for f in interrupted.traceback
+                   if type(f.frame.f_locals.get("self")).__name__ == "Rollout")
+    with pytest.raises(RuntimeError, match="start a new one"):
+        stopped.step()
 
 
 # ------------------------------------------------------------------------------------------ ranks

@@ -114,6 +114,7 @@ class Rollout:
         if session is not None:  # graphs (and the cache they read) kept from earlier calls where shapes fit
             self.capacity, self.graphs = session.capacity, session.runner
         self._tracing = False  # inside a step traced into a graph (StepGraphs)
+        self._abandoned = False  # an exception ended it (see _abandoned_on_error)
         self._one_off = False  # this step ran a traced strategy eagerly (a one-off the selector does not price)
         self.session = session
         self.step_graphs = session.step_graphs if session is not None else None
@@ -601,14 +602,38 @@ class Rollout:
             from tqdm.auto import tqdm
 
             self._progress = tqdm(total=int(self.completions.numel()), desc="generate", unit="tok")
-        self._prefill()
+        with self._abandoned_on_error():
+            self._prefill()
         self._record_memory()
+
+    @contextlib.contextmanager
+    def _abandoned_on_error(self):
+        """An exception (an interrupt, a fault) inside the prefill or a step ends this rollout: it lets go of the
+        engine's kept graph session at once. Its traceback may outlive it (an interactive session keeps the last
+        one), and a session held by a rollout that never finishes would send every later call of the engine to a
+        private session of its own (a second cache, graphs captured again)."""
+        try:
+            yield
+        except BaseException:
+            self._abandoned = True
+            if self.session is not None and self.session.holder is not None and self.session.holder() is self:
+                self.session.holder = None
+            if self._progress is not None:
+                self._progress.close()
+            raise
 
     @torch.no_grad()
     def step(self) -> bool:
         """One decode step of the active rows (after :meth:`begin`); False once every row has finished."""
         if self._begin is None:
             raise RuntimeError("Call rollout.begin() (the prefill) before rollout.step().")
+        if self._abandoned:
+            raise RuntimeError("This rollout was stopped by an exception in an earlier step; start a new one "
+                               "(engine.start or engine.generate).")
+        with self._abandoned_on_error():
+            return self._step()
+
+    def _step(self) -> bool:
         batch = self.rows.size
         if batch == 0:
             return False
