@@ -13,8 +13,9 @@ Each fault, what happens, and where it is tested:
 - an interrupt during a rollout: the interrupted rollout lets go of the engine's kept graph session at once (its
   traceback may outlive it), the next call takes that session again and is exact, and a step of the interrupted
   rollout says to start a new one (here);
-- a rank killed during idle-time drafter training (torchrun, 2 ranks, gloo): torchrun stops the other rank within
-  seconds and names the dead one; the last checkpoint loads, drafter included (here);
+- a rank killed during idle-time drafter training (torchrun, 2 ranks, gloo; rank 0's slices are recorded, and it
+  was inside one at the kill): torchrun stops the other rank within seconds and names the dead one; the last
+  checkpoint loads, drafter included, its tensors equal to the checkpoint's file and not the fresh drafter's (here);
 - vLLM's CPU sampling fix failing or absent: the plugin never stops vLLM; sampled steps stay plain and the engine
   says why (test_vllm_cpu_sampling.py, test_vllm_law.py);
 - a drafter reload into a running vLLM engine that fails half way: the engine goes on with the last good drafter
@@ -243,9 +244,27 @@ def test_a_rank_killed_during_idle_training_stops_the_run_and_keeps_the_checkpoi
     from trl_scripts.common import policy
 
     saved = json.loads((checkpoint / "drafter" / "trainer_state.json").read_text())
+    assert saved["step"] > 0  # the drafter had trained before the checkpoint: there is something to lose
+    fresh = EagleDrafter.from_target(policy())
     resumed = DrafterTrainer(EagleDrafter.from_target(policy()), policy())
     resumed.load_checkpoint(checkpoint / "drafter")  # the drafter of the last complete checkpoint loads
     assert resumed.step == saved["step"]
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(checkpoint / "drafter" / "model.safetensors"))
+    loaded = resumed.drafter.state_dict()
+    assert on_disk and set(on_disk) <= set(loaded)
+    for name, tensor in on_disk.items():
+        assert torch.equal(loaded[name].to(tensor.dtype), tensor), name  # the resumed drafter is the file's
+    assert any(not torch.equal(fresh.state_dict()[name].to(t.dtype), t) for name, t in on_disk.items())  # trained
+
+    # Rank 0 was inside an idle-time training slice (step 2's, waiting for rank 1) when rank 1 died
+    events = [json.loads(line) for line in (tmp_path / "idle_slices.jsonl").read_text().splitlines()]
+    starts = [e for e in events if "start" in e and e["global_step"] == 1]
+    ends = [e for e in events if "end" in e and e["global_step"] == 1]
+    print(f"rank 0's idle slices: {events}; rank 1 killed at {killed_at}")
+    assert starts and starts[-1]["start"] < killed_at, events
+    assert not ends or ends[-1]["end"] > killed_at, events
 
 
 def test_a_checkpoint_without_its_drafter_resumes_with_a_warning(tmp_path, caplog):

@@ -1,11 +1,13 @@
 """GRPO on two CPU processes where rank 1 is killed (SIGKILL) during step 2's rollout, while rank 0 trains the
 drafter in its idle time; a checkpoint is saved after every step. Run with
 ``torchrun --nproc_per_node 2 dead_rank.py OUT [--trainer stock]``. Rank 1 writes ``OUT/killed_at`` (the time) just
-before it kills itself."""
+before it kills itself; rank 0 appends to ``OUT/idle_slices.jsonl`` when each idle-time drafter training slice starts
+and ends (its step and drafter steps), so the test can tell it was inside one at the kill."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -44,6 +46,18 @@ def main() -> None:
                 (out / "killed_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return super()._generate_single_turn(*args, **kwargs)
+
+        def _tlt_train_drafter(self, *args, **kwargs):
+            if self.accelerator.process_index != 0:
+                return super()._tlt_train_drafter(*args, **kwargs)
+            record(global_step=self.state.global_step, start=time.time())
+            metrics = super()._tlt_train_drafter(*args, **kwargs)
+            record(global_step=self.state.global_step, end=time.time(), drafter_step=self.drafter_trainer.step)
+            return metrics
+
+    def record(**event) -> None:
+        with open(out / "idle_slices.jsonl", "a") as file:
+            file.write(json.dumps(event) + "\n")
 
     trainer = DiesInStepTwo(model=policy(), reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(32),
                             processing_class=char_tokenizer())
