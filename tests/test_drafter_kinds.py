@@ -166,13 +166,18 @@ def test_a_kind_ships_its_own_drafters(tmp_path):
                                 strategy_kinds=("chain", "tree"), training_loss=DrafterTrainer.autoregressive_loss,
                                 shipped=(folder,), auto_rank=-1))
     try:
-        torch.manual_seed(0)
+        torch.manual_seed(123)  # not the seed rollout_drafter starts a fresh drafter from
         MLPDrafter.from_target(policy).save_pretrained(folder)
         (folder / shipped.FINGERPRINT).write_text(json.dumps(shipped.policy_fingerprint(policy)))
         assert shipped.shipped_drafter_for(policy, "mlp") == folder
         assert shipped.shipped_drafter_for(policy) == folder  # auto_rank -1: 'auto' prefers it
         started, _, _ = rollout_drafter(policy, DrafterSettings(), seed=0)
         assert type(started) is MLPDrafter
+        saved = load_file(str(folder / "model.safetensors"))
+        assert saved and all(torch.equal(started.state_dict()[name].cpu(), value) for name, value in saved.items())
+        torch.manual_seed(1)
+        fresh = MLPDrafter.from_target(policy)
+        assert any(not torch.equal(fresh.state_dict()[name], value) for name, value in saved.items())  # not a fresh one
     finally:
         unregister(kind)
     assert shipped.shipped_drafter_for(policy) is None

@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -348,9 +349,10 @@ def _runs() -> dict[str, dict]:
 
 
 def _pvalues(case: dict) -> tuple[float, float]:
-    """(first token, second token where the first is d1) p-values of one case; 0.0 for an error."""
+    """(first token, second token where the first is d1) p-values of one case; NaN for a sampler that raised (no
+    evidence either way: a NaN passes no comparison)."""
     if "error" in case:
-        return 0.0, 0.0
+        return math.nan, math.nan
     p1 = processed_law(TARGET_LOGITS[0], case["temperature"], case["top_p"], case["top_k"])
     p2 = processed_law(TARGET_LOGITS[1], case["temperature"], case["top_p"], case["top_k"])
     return chi_square_pvalue(case["first"], p1), chi_square_pvalue(case["second"], p2)
@@ -393,7 +395,11 @@ def test_without_the_plugin_the_bug_shows():
         return
     assert not run["check_exact"] and f"unset {SWITCH}" in run["check_fix"], run["check_reason"]
     for case, first, second in rows:  # every case: the target logits were divided by uninitialised memory
+        if "error" in case:  # garbage top-k values can make torch raise; any other exception is a broken run
+            assert case["top_k"] is not None, case
+            continue
         assert first < REJECT or second < REJECT, (case, first, second)
+    assert sum("error" not in case for case, _, _ in rows) >= len(CASES) - 1, rows  # decided on sampled tokens
 
 
 @pytest.mark.vllm
