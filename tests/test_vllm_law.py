@@ -13,7 +13,10 @@ without vLLM).
 * ``guarded``: the fix switched off (``TLT_VLLM_CPU_SAMPLING_FIX=0``) on vLLM's CPU backend, so its speculative
   sampling is wrong at T > 0: the scheduler's start-up check sees it, keeps sampled steps plain (no draft is
   verified at T > 0) and still speculates greedy requests; the law holds.
-Both subprocesses run at once (about 2-4 minutes on 2 cores). Run this file as a script with a JSON config to get
+* ``unguarded``: the fix off and the guard bypassed (its check made to pass), drafting at every step: vLLM's wrong
+  law at T > 0. The same prompts, samples and lengths, so the same number of tokens as the runs above: the KS test
+  must reject it, which shows its power at the sample size it decides on.
+The subprocesses run at once (about 3-6 minutes on 2 cores). Run this file as a script with a JSON config to get
 one run's samples.
 """
 
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from laws import ks_uniform_pvalue, randomized_pit
 from processes import collect_json
 
 TEMPERATURE = 0.8
@@ -40,26 +44,6 @@ REJECT = 1e-3
 # re-measured every other speculative step.
 SWITCHING = dict(trial_steps=1, explore_interval=1, max_explore_interval=2, refresh_steps=2, min_gain=-0.5,
                  cost_cache="off")
-
-
-def randomized_pit(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, generator: torch.Generator
-                   ) -> torch.Tensor:
-    """``u_t = F_t(x_t - 1) + V * p_t(x_t)`` per position, for ``logits`` [T, vocab] and sampled ``tokens`` [T]."""
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    below = torch.cumsum(probs, dim=-1).gather(1, tokens[:, None])[:, 0] - probs.gather(1, tokens[:, None])[:, 0]
-    own = probs.gather(1, tokens[:, None])[:, 0]
-    return (below + torch.rand(len(tokens), generator=generator, dtype=torch.float64) * own).clamp(0.0, 1.0)
-
-
-def ks_uniform_pvalue(u: torch.Tensor) -> float:
-    """Two-sided one-sample Kolmogorov-Smirnov p-value of ``u`` against Uniform(0, 1) (asymptotic series)."""
-    n = len(u)
-    x = torch.sort(u.double()).values
-    i = torch.arange(1, n + 1, dtype=torch.float64)
-    d = float(torch.maximum(i / n - x, x - (i - 1) / n).max())
-    lam = (n ** 0.5 + 0.12 + 0.11 / n ** 0.5) * d
-    p = 2 * sum((-1) ** (k - 1) * torch.exp(torch.tensor(-2.0 * k * k * lam * lam)).item() for k in range(1, 101))
-    return float(min(max(p, 0.0), 1.0))
 
 
 def test_the_pit_law_test_itself():
@@ -126,6 +110,10 @@ def _sample_in_this_process(config: dict) -> dict:
     from tlt_trainers.vllm.config import speculation_schedule
     from tlt_trainers.vllm.schedule import engine_scheduler
 
+    if config.get("bypass_guard"):  # the must-reject run: the scheduler's check passes whatever vLLM does
+        from tlt_trainers.vllm import cpu_sampling_fix
+
+        cpu_sampling_fix.check = lambda: cpu_sampling_fix.SamplingCheck(True, "bypassed by the law test")
     try:
         from vllm import SamplingParams
     except Exception as err:  # noqa: BLE001 (a broken torchvision raises a RuntimeError)
@@ -151,11 +139,12 @@ def _sample_in_this_process(config: dict) -> dict:
                            SamplingParams(max_tokens=config["max_tokens"], temperature=config["temperature"],
                                           seed=None), use_tqdm=False)
     after_sampled = drafted()
+    scheduler = engine_scheduler(llm)
+    state = scheduler.tlt_speculation_state() if hasattr(scheduler, "tlt_speculation_state") else {}
+    decisions_sampled = len(state.get("decisions", ()))  # the schedule's changes in the sampled phase only
     greedy = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
                           SamplingParams(max_tokens=config["max_tokens"], temperature=0.0), use_tqdm=False)
     after_greedy = drafted()
-    scheduler = engine_scheduler(llm)
-    state = scheduler.tlt_speculation_state() if hasattr(scheduler, "tlt_speculation_state") else {}
     sync.close()
     return {"prompts": requests, "completions": [list(o.outputs[0].token_ids) for o in sampled],
             "greedy": [list(o.outputs[0].token_ids) for o in greedy],
@@ -163,7 +152,7 @@ def _sample_in_this_process(config: dict) -> dict:
             "check_exact": scheduler.tlt_sampling_check.exact, "check_reason": scheduler.tlt_sampling_check.reason,
             "check_fix": scheduler.tlt_sampling_check.fix,
             "guarded_steps": scheduler.tlt_guarded_steps,
-            "decisions": len(state.get("decisions", ())), "scheduler": type(scheduler).__name__}
+            "decisions": decisions_sampled, "scheduler": type(scheduler).__name__}
 
 
 @functools.lru_cache(maxsize=1)
@@ -174,13 +163,14 @@ def _runs() -> dict[str, dict]:
 
     base = {"temperature": TEMPERATURE, "max_tokens": MAX_TOKENS, "samples": SAMPLES}
     configs = {"adaptive": base | {"speculation": "adaptive", "settings": SWITCHING},
-               "guarded": base | {"speculation": "always", "settings": {}}}
+               "guarded": base | {"speculation": "always", "settings": {}},
+               "unguarded": base | {"speculation": "always", "settings": {}, "bypass_guard": True}}
     procs = {}
     for name, config in configs.items():
         env = {key: value for key, value in os.environ.items() if key not in (SWITCH, "TRITON_INTERPRET")}
         env |= {"HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        if name == "guarded":
+        if name in ("guarded", "unguarded"):
             env[SWITCH] = "0"
         procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), json.dumps(config)], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -211,7 +201,7 @@ def test_the_law_holds_while_the_adaptive_schedule_switches_the_draft_length():
     print(f"\nadaptive, fix on: KS p={p:.3g} over {n} tokens; {run['decisions']} schedule changes; "
           f"drafts at T={TEMPERATURE}: {run['drafts_sampled']}")
     assert run["check_exact"], run["check_reason"]
-    assert run["decisions"] >= 4  # the length changed from step to step
+    assert run["decisions"] >= 4  # the length changed from step to step while sampling (read before greedy)
     assert run["drafts_sampled"]["num_accepted_tokens"] > 20  # speculated positions are in the sample
     assert p > REJECT, (p, n)
 
@@ -229,6 +219,23 @@ def test_without_the_fix_sampled_steps_stay_plain_and_exact():
     assert run["drafts_sampled"]["num_draft_tokens"] == 0 and run["guarded_steps"] > 0
     assert run["drafts_greedy"]["num_accepted_tokens"] > 0  # greedy requests still speculate
     assert p > REJECT, (p, n)
+
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_law_test_rejects_vllms_wrong_law_at_the_same_sample_size():
+    """The power of the two tests above where they decide: the same prompts, samples and lengths, drafted at every
+    step with the fix off and the guard bypassed, must be rejected."""
+    run, guarded = _runs()["unguarded"], _runs()["guarded"]
+    p, n = _law_pvalue(run)
+    _, n_guarded = _law_pvalue(guarded)
+    print(f"\nunguarded, fix off: KS p={p:.3g} over {n} tokens (the guarded run: {n_guarded}); drafts at "
+          f"T={TEMPERATURE}: {run['drafts_sampled']}")
+    assert run["check_exact"] and run["guarded_steps"] == 0  # the guard was bypassed...
+    assert run["drafts_sampled"]["num_draft_tokens"] > 0  # ...so sampled steps were verified with wrong temperatures
+    assert 0.5 * n_guarded <= n <= 2 * n_guarded  # the sample size the other tests decide on
+    assert p < REJECT, (p, n)
 
 
 if __name__ == "__main__":
