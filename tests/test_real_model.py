@@ -36,16 +36,12 @@ def test_greedy_speculation_is_identical_to_generate_on_the_real_model(smollm2):
     assert torch.equal(ours.sequences, reference)
 
 
-PROMPTS = ("What is 17 + 25? Give only the final answer.", "Name one primary colour. One word.",
-           "Is 91 a prime number? Answer yes or no.", "Write the number seven in digits only.")
-
-
-def sample_rows(model, tok, engine, samples_per_prompt: int, seed: int, max_new_tokens: int = 24,
-                temperature: float = 1.0):
+def sample_rows(model, tok, engine, prompts: tuple[str, ...], samples_per_prompt: int, seed: int,
+                max_new_tokens: int = 24, temperature: float = 1.0):
     """Rows [prompt + new] sampled with the full softmax by ``engine`` (None: model.generate), the prompts'
     attention mask, and the engine's stats."""
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in PROMPTS]
+             for q in prompts]
     enc = tok([c for c in chats for _ in range(samples_per_prompt)], return_tensors="pt", padding=True)
     settings = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -60,38 +56,45 @@ def sample_rows(model, tok, engine, samples_per_prompt: int, seed: int, max_new_
     return sequences, enc.attention_mask, stats
 
 
-def completion_statistics(model, tok, sequences, prompt_mask):
-    """Per row: the completion's length (up to and including EOS) and the policy's mean log-prob per token."""
+SAMPLES_PER_PROMPT = 12
+LAW_PROMPTS = ("Write one sentence about the sea.", "Describe a cat in a few words.",
+               "Give one reason to learn mathematics.", "Tell me a short fun fact about space.")
+LAW_NEW_TOKENS = 32
+REJECT = 1e-3
+
+
+def token_pits(model, tok, sequences, prompt_mask, temperature: float, seed: int) -> torch.Tensor:
+    """The randomized PIT (tests/laws.py) of every sampled completion token (up to and including EOS) under the
+    float32 policy's law at ``temperature`` (full softmax)."""
+    from laws import randomized_pit
+
     width = prompt_mask.shape[1]
     completion = sequences[:, width:]
     is_eos = completion == tok.eos_token_id
-    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], completion.shape[1],
-                                                                                     dtype=torch.long))
+    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1,
+                          torch.full_like(is_eos[:, 0], completion.shape[1], dtype=torch.long))
     keep = torch.arange(completion.shape[1])[None] < lengths[:, None]
-    mask = torch.cat([prompt_mask, keep.long()], dim=1)
     with torch.no_grad():
-        logits = model(sequences, attention_mask=mask).logits[:, width - 1 : -1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
-    mean_logp = (logp * keep).sum(1) / lengths
-    return lengths.numpy(), mean_logp.numpy()
+        logits = model(sequences, attention_mask=torch.cat([prompt_mask, keep.long()], dim=1)).logits
+    logits = logits[:, width - 1: -1].float()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.cat([randomized_pit(logits[row, :n], completion[row, :n], temperature, generator)
+                      for row, n in enumerate(lengths.tolist())])
 
 
-SAMPLES_PER_PROMPT = 12
-
-
-@pytest.fixture(scope="module")
-def generate_law(smollm2):
-    """The law of model.generate at T=1 (full softmax): per-row completion length and mean policy log-prob."""
+def law_rows(smollm2, engine, seed: int, temperature: float = 1.0):
     model, tok = smollm2
-    return completion_statistics(model, tok, *sample_rows(model, tok, None, SAMPLES_PER_PROMPT, seed=1)[:2])
+    return sample_rows(model, tok, engine, LAW_PROMPTS, SAMPLES_PER_PROMPT, seed=seed, max_new_tokens=LAW_NEW_TOKENS,
+                       temperature=temperature)
 
 
 @pytest.mark.parametrize("strategy", ["chain:4", "tree:4x2:8"])
-def test_sampling_law_on_the_real_model_with_the_shipped_drafter(smollm2, generate_law, strategy):
-    """At T=1 with speculation forced on, the engine samples the law model.generate samples: the policy's mean
-    log-prob of the sampled tokens and the completion-length law agree within noise (two-sample KS, 48 rows
-    each), and the drafter's proposals were both accepted and rejected, so verification did the work."""
-    from scipy.stats import ks_2samp
+def test_sampling_law_on_the_real_model_with_the_shipped_drafter(smollm2, strategy):
+    """At T=1 with speculation forced on, every token the engine samples follows the policy's law: the randomized
+    PIT of each token under the float32 policy (tests/laws.py) is uniform (KS over all of them, about 1,400 tokens of
+    48 rows), and the drafter's proposals were both accepted and rejected, so verification did the work. The test
+    below shows the same test, at the same sample size, rejecting rows sampled at T=0.8."""
+    from laws import ks_uniform_pvalue
 
     from tlt_trainers import Drafter
     from tlt_trainers.shipped import shipped_drafter_for
@@ -99,23 +102,27 @@ def test_sampling_law_on_the_real_model_with_the_shipped_drafter(smollm2, genera
     model, tok = smollm2
     drafter = Drafter.from_pretrained(shipped_drafter_for(model), target=model)
     engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", strategy=strategy))
-    sequences, mask, stats = sample_rows(model, tok, engine, SAMPLES_PER_PROMPT, seed=2)
-    ours = completion_statistics(model, tok, sequences, mask)
+    sequences, mask, stats = law_rows(smollm2, engine, seed=2)
+    u = token_pits(model, tok, sequences, mask, 1.0, seed=0)
+    p = ks_uniform_pvalue(u)
+    print(f"\n{strategy}: KS p={p:.3g} over {len(u)} tokens; drafts {stats.draft_tokens}, accepted "
+          f"{stats.accepted_tokens}")
     assert 0 < stats.accepted_tokens < stats.draft_tokens
-    for name, a, b in zip(("completion length", "mean log-prob"), generate_law, ours):
-        assert ks_2samp(a, b).pvalue > 1e-3, (name, a.mean(), b.mean())
+    assert p > REJECT, (p, len(u))
 
 
-def test_the_sampling_law_test_detects_a_temperature_change(smollm2, generate_law):
-    """Power of the test above: rows sampled at T=0.7 are told apart from model.generate's at T=1 (at T=0.8 the
-    p-value sits near the threshold on some CPUs: 0.0021 on an AMD EPYC)."""
-    from scipy.stats import ks_2samp
+def test_the_sampling_law_test_detects_a_temperature_change(smollm2):
+    """Power of the test above where it decides: the same prompts, rows and lengths sampled at T=0.8 and scored
+    under the policy's law at T=1 are rejected."""
+    from laws import ks_uniform_pvalue
 
     model, tok = smollm2
     cooler = SpeculativeGenerator(model, None, TLTConfig(speculation="never"))
-    sequences, mask, _ = sample_rows(model, tok, cooler, SAMPLES_PER_PROMPT, seed=3, temperature=0.7)
-    other = completion_statistics(model, tok, sequences, mask)
-    assert min(ks_2samp(a, b).pvalue for a, b in zip(generate_law, other)) < 1e-3
+    sequences, mask, _ = law_rows(smollm2, cooler, seed=3, temperature=0.8)
+    u = token_pits(model, tok, sequences, mask, 1.0, seed=0)
+    p = ks_uniform_pvalue(u)
+    print(f"\nT=0.8 scored at T=1: KS p={p:.3g} over {len(u)} tokens")
+    assert p < REJECT, (p, len(u))
 
 
 def test_warmup_command_runs_offline(tmp_path, smollm2):
