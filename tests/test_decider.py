@@ -129,6 +129,15 @@ def test_both_adapters_map_their_settings_onto_the_rules():
     rules = schedule.decider.rules
     assert (rules.min_speedup, rules.refresh_steps, rules.max_batch, rules.floor, rules.explore_below) == (
         pytest.approx(1.1), 9, 8, 0.9, 1.2)
+    # ...and the mapped rules decide by them: an arm worth 1.15x clears vLLM's 1.1 margin and not the engine's 1.4;
+    # one worth 1.45x clears both; batch 16 is above vLLM's max_speculative_batch_size
+    for worth, engine_takes, vllm_takes in ((1.15, False, True), (1.45, True, True)):
+        estimate, _ = priced({"a": Estimate("a", tokens=2.0 * worth, cost=2.0)})
+        taken = [SpeculationDecider(adapter.decider.rules, "plain").choose(1, ["a"], estimate).arm == "a"
+                 for adapter in (selector, schedule)]
+        assert taken == [engine_takes, vllm_takes], (worth, taken)
+    estimate, _ = priced({"a": Estimate("a", tokens=2.9, cost=2.0)})
+    assert SpeculationDecider(schedule.decider.rules, "plain").choose(16, ["a"], estimate).arm == "plain"
 
 
 # ------------------------------------------------------------------------------------------------ both adapters
