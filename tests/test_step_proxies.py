@@ -55,21 +55,25 @@ NOT_HOST_COPIES = {
 }
 
 
+def probed(call):
+    """The probe's counts for ``call`` on a host tensor of 6 values."""
+    x = torch.arange(6.0)
+    with StepProbe() as probe:
+        call(x)
+    return probe.counts
+
+
 @pytest.mark.parametrize("name", list(HOST_COPIES))
 def test_probe_counts_each_copy_to_the_host(name):
     """Each way to copy a tensor to the host is one read: on a GPU each waits for the device (issue 54)."""
-    x = torch.arange(6.0)
-    with StepProbe() as probe:
-        HOST_COPIES[name](x)
-    assert probe.counts.host_reads == 1, probe.counts.reads_by_op
+    counts = probed(HOST_COPIES[name])
+    assert counts.host_reads == 1, counts.reads_by_op
 
 
 @pytest.mark.parametrize("name", list(NOT_HOST_COPIES))
 def test_probe_leaves_casts_and_device_copies_uncounted(name):
-    x = torch.arange(6.0)
-    with StepProbe() as probe:
-        NOT_HOST_COPIES[name](x)
-    assert probe.counts.host_reads == 0, probe.counts.reads_by_op
+    counts = probed(NOT_HOST_COPIES[name])
+    assert counts.host_reads == 0, counts.reads_by_op
     assert torch.Tensor.copy_.__name__ == "copy_" and torch.Tensor.to.__name__ == "to"  # unpatched on exit
 
 

@@ -314,6 +314,11 @@ class GraphSession:
         holder = self.holder() if self.holder is not None else None
         return holder is not None and holder.rows.size > 0
 
+    def release(self, rollout) -> None:
+        """Let go of the session if ``rollout`` holds it (a rollout an exception ended)."""
+        if self.holder is not None and self.holder() is rollout:
+            self.holder = None
+
     def take(self, rollout, batch: int) -> None:
         self.holder = weakref.ref(rollout)
         self.cache.reset(batch)

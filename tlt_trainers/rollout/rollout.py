@@ -616,8 +616,8 @@ class Rollout:
             yield
         except BaseException:
             self._abandoned = True
-            if self.session is not None and self.session.holder is not None and self.session.holder() is self:
-                self.session.holder = None
+            if self.session is not None:
+                self.session.release(self)
             if self._progress is not None:
                 self._progress.close()
             raise
