@@ -206,3 +206,60 @@ def test_aux_layers_are_three_increasing_ids(model):
         Eagle3Drafter.from_target(model, aux_layer_ids=[3, 1, 5])
     with pytest.raises(ValueError, match="three distinct policy layers"):
         Eagle3Drafter.from_target(model, aux_layer_ids=[1, 5])
+
+
+@pytest.fixture(scope="module")
+def unpadded(model):
+    """A trainer whose buffer holds 4 greedy answers to unpadded prompts (positions are token indices)."""
+    ids, _ = padded_prompts([5] * 4, seed=1)
+    seqs = model.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=PAD, eos_token_id=None)
+    torch.manual_seed(0)
+    trainer = DrafterTrainer(Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS), model, unroll_steps=2,
+                             micro_batch_size=8)
+    trainer.add_sequences(seqs)
+    trainer.train(max_steps=20)  # a drafter that is neither the policy's head nor random
+    return trainer, seqs
+
+
+def test_sampled_acceptance_is_the_overlap_of_the_drafter_and_policy_laws(model, unpadded):
+    """evaluate()'s first-step sampled acceptance is the mean over positions of sum min(p, q) over the policy's
+    top-16: computed here from the policy's logits and the drafter's own forward, not from the trainer's batch."""
+    trainer, seqs = unpadded
+    measured = trainer.evaluate()["sampled_acceptance_by_step"]
+    assert len(measured) == 2
+    with torch.no_grad():
+        law = model(seqs).logits.float().softmax(-1)  # [N, T, V]: the law of token t + 1
+        overlaps = []
+        for row, seq in zip(range(len(seqs)), trainer.buffer.sequences):
+            length = seq.features.shape[0]
+            out = trainer.drafter(seq.features[None].float(), seq.tokens[None, 1:], torch.arange(length)[None])
+            q = trainer.drafter.logits(out)[0].softmax(-1)  # a draft at t: token t + 2
+            top = law[row, 1 : length + 1].topk(16, dim=-1)
+            overlaps.append(torch.minimum(q.gather(-1, top.indices), top.values).sum(-1))
+    assert measured[0] == pytest.approx(float(torch.cat(overlaps).mean()), abs=2e-3)
+    assert 0 < measured[1] < 1
+
+
+def test_the_tv_term_adds_one_minus_the_overlap_at_each_step(model, unpadded):
+    trainer, _ = unpadded
+    with_tv = DrafterTrainer(trainer.drafter, model, unroll_steps=2, tv_weight=0.5)
+    batch = trainer._batch(list(trainer.buffer.sequences))
+    with torch.no_grad():
+        plain, metrics = trainer._loss(batch)
+        loss, _ = with_tv._loss(batch)
+    expected = plain + sum(trainer.unroll_decay**d * 0.5 * (1 - a)
+                           for d, a in enumerate(metrics["sampled_acceptance_by_step"]))
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_feature_noise_is_relative_to_each_feature_and_only_in_training(model, unpadded):
+    trainer, _ = unpadded
+    noisy = DrafterTrainer(trainer.drafter, model, unroll_steps=2, feature_noise=0.1)
+    batch = trainer._batch(list(trainer.buffer.sequences))
+    moved = noisy._with_feature_noise(batch).hidden - batch.hidden
+    ratio = moved.pow(2).mean(-1).sqrt() / batch.hidden.pow(2).mean(-1).sqrt()
+    assert ratio.mean() == pytest.approx(0.1, rel=0.1)
+    noisy.buffer = trainer.buffer
+    assert noisy.evaluate()["loss"] == pytest.approx(trainer.evaluate()["loss"])  # evaluation sees clean features
+    with pytest.raises(ValueError, match="must be >= 0"):
+        DrafterTrainer(trainer.drafter, model, feature_noise=-0.1)

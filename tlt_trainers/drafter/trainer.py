@@ -19,7 +19,7 @@ import json
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -186,11 +186,15 @@ class DrafterTrainer:
         attention: str = "auto",
         block_anchors: int = 32,
         block_gamma: float | None = None,
+        feature_noise: float = 0.0,
+        tv_weight: float = 0.0,
     ):
         if unroll_steps < 1:
             raise ValueError(f"unroll_steps={unroll_steps} must be >= 1 (1 = plain EAGLE training).")
         if block_anchors < 1 or (block_gamma is not None and block_gamma <= 0):
             raise ValueError(f"block_anchors={block_anchors} must be >= 1 and block_gamma={block_gamma} > 0.")
+        if feature_noise < 0 or tv_weight < 0:
+            raise ValueError(f"feature_noise={feature_noise} and tv_weight={tv_weight} must be >= 0 (0: off).")
         self.drafter, self.model = drafter, model
         self.target = TargetModel(model)
         drafter.ensure_bound(model)  # train against this policy's head, whatever it was bound to before
@@ -200,6 +204,12 @@ class DrafterTrainer:
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
         self.unroll_steps, self.unroll_decay = unroll_steps, unroll_decay
         self.block_anchors, self.block_gamma = block_anchors, block_gamma
+        # EAGLE's augmentation: Gaussian noise of this size relative to each feature's RMS, in training only
+        self.feature_noise = feature_noise
+        # EAGLE-3: add tv_weight x the total-variation distance between the drafter's and the policy's laws, which
+        # is one minus a draft's acceptance chance when both sample (1 - sum min(p, q)); the cross-entropy alone
+        # fits the policy's top token and spreads the rest
+        self.tv_weight = tv_weight
         self.buffer = FeatureBuffer(buffer_bytes, max_tokens_per_sequence)
         # bfloat16 autocast of the drafter's forward and backward (the weights and the optimizer stay float32)
         self.autocast_dtype = training_dtype(precision, self.target.device)
@@ -328,6 +338,13 @@ class DrafterTrainer:
                             positions=packed.positions[None], lengths=packed.token_lengths[None], targets=targets,
                             packed=packed)
 
+    def _with_feature_noise(self, batch: DrafterBatch) -> DrafterBatch:
+        """The batch with Gaussian noise on its features, ``feature_noise`` times each position's feature RMS."""
+        hidden = batch.hidden
+        scale = hidden.float().pow(2).mean(-1, keepdim=True).sqrt() * self.feature_noise
+        noise = torch.randn(hidden.shape, generator=self.generator, dtype=torch.float32).to(hidden.device)
+        return replace(batch, hidden=hidden + (noise * scale).to(hidden.dtype))
+
     def _loss(self, batch: DrafterBatch) -> tuple[torch.Tensor, dict]:
         """Loss on one micro-batch and its metrics: the training loss the drafter's kind names."""
         return kind_of(self.drafter).training_loss(self, batch)
@@ -378,6 +395,7 @@ class DrafterTrainer:
         if targets is not None:
             draft_ids = t2d[targets[0]]  # [b, L, k], -1 outside the draft vocabulary
             probs = targets[1] * (draft_ids >= 0)
+            policy_mass = probs  # the policy's probability of each draftable target id
             mass = probs.sum(-1)
             target_probs = probs / mass.clamp(min=1e-6)[..., None]
             top1 = draft_ids[..., 0]  # the policy's most likely token (-1: not draftable)
@@ -386,9 +404,13 @@ class DrafterTrainer:
             draft_ids = t2d[batch.following][..., None]
             target_probs = torch.ones_like(draft_ids, dtype=torch.float32)
             top1 = draft_ids[..., 0]
+            policy_mass = target_probs * (draft_ids >= 0)
             scored = (positions + 1 < lengths) & (top1 >= 0)
         gather_ids = draft_ids.clamp(min=0)
-        loss, agreement = 0.0, []
+        loss, agreement, sampled = 0.0, [], []
+        # A draft's chance of acceptance when both sample, sum min(p, q) over the policy's top-k (a lower bound):
+        # the loss's TV term, and a metric whenever no gradient is taken (evaluate)
+        with_sampled = self.tv_weight > 0 or not torch.is_grad_enabled()
         for step, predicted in enumerate(outputs):
             counted = scored & (positions >= step)
             count = counted.sum().clamp(min=1)
@@ -403,12 +425,18 @@ class DrafterTrainer:
                 logp = drafter.logits(predicted).log_softmax(-1)
                 token_loss = (-(target_probs * logp.gather(-1, gather_ids)).sum(-1) * weight).sum() / count
                 agree = ((logp.argmax(-1) == top1).float() * weight).sum() / count
+            if with_sampled:
+                q = F.linear(*drafter.head_inputs(predicted[counted])).float().softmax(-1)
+                overlap = torch.minimum(q.gather(-1, gather_ids[counted]), policy_mass[counted].float()).sum(-1)
+                sampled.append((overlap.sum() / count).item())
+                if self.tv_weight:
+                    token_loss = token_loss + self.tv_weight * (1 - overlap).sum() / count
             loss = loss + (self.unroll_decay**step) * token_loss
             agreement.append(agree.item())
             if step == 0:
                 first_loss = token_loss.item()
         metrics = {"loss": loss.item(), "feature_loss": 0.0, "token_loss": first_loss, "top1": agreement[0],
-                   "top1_by_step": agreement}
+                   "top1_by_step": agreement, "sampled_acceptance_by_step": sampled}
         return loss, metrics
 
     @property
@@ -466,6 +494,8 @@ class DrafterTrainer:
                     break
                 count = min(self.micro_batch_size, len(self.buffer))
                 batch = self._batch(self.buffer.sample(count, self.generator))
+                if self.feature_noise:
+                    batch = self._with_feature_noise(batch)
                 trained_tokens += batch.num_tokens
                 device_type = batch.hidden.device.type
                 with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
@@ -505,24 +535,32 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def evaluate(self, sequences: list[BufferedSequence] | None = None) -> dict:
-        """Loss and agreement of the drafter on ``sequences`` (default: the whole buffer), without training."""
+        """Loss and agreement of the drafter on ``sequences`` (default: the whole buffer), without training; for an
+        EAGLE-3 drafter also ``sampled_acceptance_by_step``, each draft step's chance of acceptance when policy and
+        drafter both sample (sum of min(p, q) over the policy's cached top-k, so a lower bound)."""
         sequences = list(self.buffer.sequences) if sequences is None else sequences
         if not sequences:
             raise ValueError("Nothing to evaluate: the buffer is empty.")
         was_training = self.drafter.training
         self.drafter.eval()
-        totals, agreement, batches = {}, [0.0] * self.agreement_steps, 0
+        totals, agreement, sampled, batches = {}, [0.0] * self.agreement_steps, [], 0
         for start in range(0, len(sequences), self.micro_batch_size):
             _, metrics = self._loss(self._batch(sequences[start : start + self.micro_batch_size]))
             for key in ("loss", "feature_loss", "token_loss", "top1"):
                 totals[key] = totals.get(key, 0.0) + metrics[key]
             for d, value in enumerate(metrics["top1_by_step"]):
                 agreement[d] += value
+            by_step = metrics.get("sampled_acceptance_by_step", [])
+            sampled = [a + b for a, b in zip(sampled or [0.0] * len(by_step), by_step)]
             batches += 1
         self.drafter.train(was_training)
         result = {key: value / batches for key, value in totals.items()}
         result["top1_by_step"] = [value / batches for value in agreement]
         result["estimated_acceptance_length"] = estimated_acceptance_length(result["top1_by_step"], self.chain_length)
+        if sampled:  # EAGLE-3: a sampled chain's expected length from the per-step acceptance chances
+            result["sampled_acceptance_by_step"] = [value / batches for value in sampled]
+            result["estimated_sampled_acceptance_length"] = estimated_acceptance_length(
+                result["sampled_acceptance_by_step"], self.chain_length)
         return result
 
     def train_on_sequences(

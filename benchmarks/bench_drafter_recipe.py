@@ -1,0 +1,314 @@
+"""The EAGLE-3 drafter's training recipe, one change at a time: acceptance on held-out prompts per recipe row.
+
+    python benchmarks/bench_drafter_recipe.py                                   # every row, the defaults below
+    python benchmarks/bench_drafter_recipe.py --rows "current,tv 1" --steps 40  # two rows, a shorter budget
+    python benchmarks/bench_drafter_recipe.py --init fresh --train-tokens 400000 --steps 3000   # from scratch (GPU)
+
+Each row starts from the same drafter (``--init``: the shipped SmolLM2-135M-Instruct drafter, or a fresh one) and
+trains ``--steps`` micro-steps of ``--micro-batch`` sequences on the same features: the policy's own answers of
+``data/smollm2-135m-instruct-answers`` (a seeded share of ``--train-tokens`` answer tokens, mixed across its
+shards), whose policy forward runs once and is cached under ``TLT_CACHE_DIR``. A row changes one thing against
+the current recipe (the shipped drafter's: training-time test over 3 steps, lr 1e-3 constant, 4096 draft tokens,
+no feature noise, cross-entropy to the policy's top-16 law), at the same number of micro-steps; its seconds are
+recorded, since some changes cost more per step.
+
+Every row is then measured as ``benchmarks/bench_drafters.py`` measures a drafter: TLT's engine drafting a chain of
+``--k`` at every step (``speculation="always"``), batch 4, greedy and at temperature 1, on its held-out prompts
+(other reasoning-gym seeds, other chat topics), ``--new-tokens`` each: acceptance length (tokens per policy
+forward) and first-draft acceptance. Beside it, offline on the policy's own answers to those prompts (the first
+row's, exact since the engine is lossless): top-1 agreement per draft step and the sampled-acceptance chance
+sum min(p, q) per step (``DrafterTrainer.evaluate``). The draft-vocabulary rows also give the share of the policy's
+answer tokens each vocabulary covers. Writes benchmarks/results/<--out>.json with the table and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cache_root, print_table, write_results  # noqa: E402
+
+from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, SpeculativeGenerator, TLTConfig  # noqa: E402
+from tlt_trainers.drafter.buffer import BufferedSequence, FeatureBuffer  # noqa: E402
+from tlt_trainers.pretrained import load_smollm2  # noqa: E402
+from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
+from tlt_trainers.shipped.answers import iter_answers, read_manifest  # noqa: E402
+from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix  # noqa: E402
+
+DATA = ROOT / "data" / "smollm2-135m-instruct-answers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How a drafter trains: the current recipe is the shipped drafter's (scripts/train_shipped_drafter.py)."""
+
+    unroll_steps: int = 3  # training-time test: chained draft steps per position
+    draft_vocab: int = 4096
+    lr: float = 1e-3
+    lr_schedule: str = "constant"  # or "cosine": from lr down to a tenth over the row's steps
+    feature_noise: float = 0.0  # Gaussian, relative to each feature's RMS
+    tv_weight: float = 0.0  # total-variation term beside the cross-entropy (DrafterTrainer.tv_weight)
+    data_share: float = 1.0  # of the row's training answers
+    train: bool = True  # False: the starting drafter, measured as it is
+
+
+# Each row changes one field of the current recipe
+ROWS: dict[str, Recipe] = {
+    "start (not trained)": Recipe(train=False),
+    "current": Recipe(),
+    "data: a quarter": Recipe(data_share=0.25),
+    "TTT depth 5": Recipe(unroll_steps=5),
+    "TTT depth 7": Recipe(unroll_steps=7),
+    "draft vocab 8192": Recipe(draft_vocab=8192),
+    "draft vocab 16384": Recipe(draft_vocab=16384),
+    "feature noise 0.1": Recipe(feature_noise=0.1),
+    "lr cosine": Recipe(lr_schedule="cosine"),
+    "tv 1": Recipe(tv_weight=1.0),
+    "lr 3e-4": Recipe(lr=3e-4),
+}
+DEFAULT_ROWS = [name for name in ROWS if name != "lr 3e-4"]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {list(ROWS)}")
+    p.add_argument("--init", choices=["shipped", "fresh"], default="shipped")
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--train-tokens", type=int, default=60_000, help="answer tokens of the training share")
+    p.add_argument("--steps", type=int, default=60, help="micro-steps per row")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts (batch 4), bench_drafters' set")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=4, help="drafts per step (a chain)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_drafter_recipe")
+    return p.parse_args()
+
+
+# ---------------------------------------------------------------------------------------------------- data
+def training_share(answers: list, answer_tokens: int, seed: int) -> list[torch.Tensor]:
+    """Whole conversations (prompt + answer ids), shuffled across shards, until ``answer_tokens`` are taken."""
+    answers = list(answers)
+    random.Random(seed).shuffle(answers)
+    rows, taken = [], 0
+    for a in answers:
+        if taken >= answer_tokens:
+            break
+        rows.append(torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.long))
+        taken += len(a.answer_ids)
+    if taken < answer_tokens:
+        raise SystemExit(f"The data holds {taken} answer tokens, fewer than --train-tokens {answer_tokens}.")
+    return rows
+
+
+def features(trainer: DrafterTrainer, rows: list[torch.Tensor], label: str) -> list[BufferedSequence]:
+    """One no-grad policy forward over ``rows`` (64 at a time, sorted by length): the buffered sequences, their
+    features kept in bfloat16 (half the memory; batches are built in the policy's dtype)."""
+    trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1024)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    start = time.perf_counter()
+    for first in range(0, len(order), 64):
+        chunk = [rows[i][:1025] for i in order[first : first + 64]]
+        ids = torch.zeros(len(chunk), max(map(len, chunk)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(chunk):
+            ids[j, : len(r)], mask[j, : len(r)] = r, 1
+        trainer.add_sequences(ids, mask)
+        for seq in trainer.buffer.sequences:
+            seq.features = seq.features.to(torch.bfloat16)
+        print(f"{label} features: {first + len(chunk)}/{len(order)} sequences, {time.perf_counter() - start:.0f}s",
+              flush=True)
+    return list(trainer.buffer.sequences)
+
+
+def answer_features(model, made: list[tuple[torch.Tensor, int]]) -> list[BufferedSequence]:
+    """Features of the policy's answers to held-out prompts (``(ids, prompt length)``), scored on the answer only:
+    the targets of prompt positions are zeroed, which the drafter's loss and agreement skip."""
+    trainer = DrafterTrainer(Eagle3Drafter.from_target(model, draft_vocab_size=4096), model)
+    trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1 << 20)
+    for ids, prompt_len in made:
+        trainer.add_sequences(ids[None])
+        seq = trainer.buffer.sequences[-1]
+        seq.target_probs[: prompt_len - 1] = 0  # position t predicts token t + 1: the answer from prompt_len - 1
+    return list(trainer.buffer.sequences)
+
+
+def cached_features(model, rows: list[torch.Tensor], key: str) -> list[BufferedSequence]:
+    path = cache_root() / "drafter-recipe" / f"{key}.pt"
+    if path.is_file():
+        return [BufferedSequence(**item) for item in torch.load(path)]
+    drafter = Eagle3Drafter.from_target(model, draft_vocab_size=4096)
+    sequences = features(DrafterTrainer(drafter, model), rows, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save([dataclasses.asdict(s) for s in sequences], path)
+    return sequences
+
+
+def token_counts(rows: list[torch.Tensor]) -> FeatureBuffer:
+    counts = FeatureBuffer(1 << 20)
+    for r in rows:
+        counts._count(r)
+    return counts
+
+
+def coverage(vocab: torch.Tensor, answers: list[torch.Tensor], vocab_size: int) -> float:
+    """Share of ``answers``' tokens inside ``vocab`` (the tokens a drafter over it can draft)."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vocab] = True
+    tokens = torch.cat(answers)
+    return float(inside[tokens].float().mean())
+
+
+# ---------------------------------------------------------------------------------------------------- drafters
+def starting_drafter(model, init: str, vocab: torch.Tensor) -> Eagle3Drafter:
+    if init == "shipped":
+        return Drafter.from_pretrained(shipped_drafter_for(model, "eagle3"), target=model).float()
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, draft_vocab_size=len(vocab))
+    drafter.set_draft_vocab(vocab)
+    return drafter
+
+
+def with_draft_vocab(drafter: Eagle3Drafter, model, vocab: torch.Tensor) -> Eagle3Drafter:
+    """``drafter`` over another draft vocabulary: its layers, its trained head rows for the tokens it keeps, the
+    policy's head rows for the new ones."""
+    if drafter.draft_vocab_size == len(vocab):
+        grown = copy.deepcopy(drafter)
+        grown.set_draft_vocab(vocab)
+        return grown
+    grown = Eagle3Drafter.from_target(model, draft_vocab_size=len(vocab))
+    grown.set_draft_vocab(vocab)
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("lm_head") and k not in ("d2t", "t2d")}
+    grown.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        position = torch.searchsorted(drafter.d2t, grown.d2t).clamp(max=len(drafter.d2t) - 1)
+        kept = drafter.d2t[position] == grown.d2t
+        grown.lm_head.weight[kept] = drafter.lm_head.weight[position[kept]].to(grown.lm_head.weight.dtype)
+    return grown
+
+
+def train_row(recipe: Recipe, drafter: Eagle3Drafter, model, sequences: list[BufferedSequence], args) -> dict:
+    trainer = DrafterTrainer(drafter, model, lr=recipe.lr, unroll_steps=recipe.unroll_steps,
+                             micro_batch_size=args.micro_batch, seed=args.seed, feature_noise=recipe.feature_noise,
+                             tv_weight=recipe.tv_weight)
+    trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1024)
+    trainer.buffer.sequences.extend(sequences[: max(1, round(len(sequences) * recipe.data_share))])
+    done, seconds, top1 = 0, 0.0, []
+    while done < args.steps:
+        if recipe.lr_schedule == "cosine":
+            fraction = done / args.steps
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+        metrics = trainer.train(max_steps=min(10, args.steps - done))
+        done += metrics["steps"]
+        seconds += metrics["seconds"]
+        top1.append(metrics["top1"])
+        print(f"  {done}/{args.steps} steps, {seconds:.0f}s, top-1 {metrics['top1']:.3f}", flush=True)
+    return {"train_seconds": seconds, "train_top1_last": top1[-1],
+            "train_tokens": sum(len(s.tokens) - 1 for s in trainer.buffer.sequences)}
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+def engine_acceptance(model, tok, drafter, prompts: list[str], temperature: float, args) -> tuple[dict, list]:
+    """TLT's engine drafting a chain of ``args.k`` at every step, batch 4: acceptance and the sequences made."""
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=args.k))
+    forwards = emitted = drafted = first = 0
+    made = []
+    for start in range(0, len(prompts), 4):
+        enc = tok(prompts[start : start + 4], return_tensors="pt", padding=True, padding_side="left")
+        result = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=args.new_tokens,
+                                 do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                 generator=torch.Generator().manual_seed(start))
+        s = result.stats
+        forwards, emitted = forwards + s.row_forwards, emitted + s.generated_tokens_in_steps
+        drafted, first = drafted + s.drafted_rows, first + s.first_accepted
+        width = enc.input_ids.shape[1]
+        for row, mask in zip(result.sequences, enc.attention_mask):
+            completion = row[width:]
+            prompt = row[:width][mask.bool()]
+            made.append((torch.cat([prompt, completion[completion != tok.pad_token_id]]), len(prompt)))
+    return {"acceptance_length": emitted / forwards, "first_draft_acceptance": first / drafted}, made
+
+
+def offline(trainer: DrafterTrainer, sequences: list[BufferedSequence]) -> dict:
+    result = trainer.evaluate(sequences)
+    return {"top1_by_step": result["top1_by_step"],
+            "sampled_acceptance_by_step": result["sampled_acceptance_by_step"],
+            "estimated_greedy": result["estimated_acceptance_length"],
+            "estimated_sampled": result["estimated_sampled_acceptance_length"]}
+
+
+def main() -> None:
+    args = parse_args()
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"--rows {unknown}: choose from {list(ROWS)}")
+    model, tok = load_smollm2()
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    answers = list(iter_answers(args.data))
+    rows = training_share(answers, args.train_tokens, args.seed)
+    # draft vocabularies: the most frequent tokens of all the answers (the shipped drafter's own: of its data)
+    counts = token_counts([torch.tensor(list(a.prompt_ids) + list(a.answer_ids)) for a in answers])
+    sequences = cached_features(model, rows, f"train-{args.train_tokens}-seed{args.seed}")
+    print(f"training share: {len(sequences)} conversations, {args.train_tokens}+ answer tokens", flush=True)
+    prompts = prompt_mix(tok, args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
+    start_vocab = starting_drafter(model, args.init, counts.most_frequent(4096, vocab_size))
+    held_out: dict[float, list[BufferedSequence]] = {}
+    results = []
+    for name in names:
+        recipe = ROWS[name]
+        vocab = counts.most_frequent(recipe.draft_vocab, vocab_size)
+        drafter = copy.deepcopy(start_vocab)
+        if recipe.draft_vocab != drafter.draft_vocab_size:
+            drafter = with_draft_vocab(drafter, model, vocab)
+        print(f"[{name}] {recipe}", flush=True)
+        row = {"row": name, "recipe": dataclasses.asdict(recipe), "steps": args.steps if recipe.train else 0}
+        if recipe.train:
+            row |= train_row(recipe, drafter, model, sequences, args)
+        drafter.eval()
+        with torch.no_grad():
+            for temperature in (0.0, 1.0):
+                measured, made = engine_acceptance(model, tok, drafter, prompts, temperature, args)
+                if temperature not in held_out:  # the policy's own answers to the held-out prompts
+                    held_out[temperature] = answer_features(model, made)
+                evaluator = DrafterTrainer(drafter, model, unroll_steps=args.k, micro_batch_size=args.micro_batch)
+                label = "greedy" if temperature == 0 else f"T{temperature:g}"
+                row[label] = measured | offline(evaluator, held_out[temperature])
+        answer_ids = [s.tokens[(s.target_probs.sum(-1) == 0).sum() + 1 :] for seqs in held_out.values() for s in seqs]
+        row["vocab_coverage_held_out"] = coverage(drafter.d2t, answer_ids, vocab_size)
+        results.append(row)
+        write_results(args.out, {"args": vars(args), "rows": results, "partial": True})
+        greedy, sampled = row["greedy"], row["T1"]
+        print(f"[{name}] greedy {greedy['acceptance_length']:.2f} (first {greedy['first_draft_acceptance']:.2f}, "
+              f"offline {greedy['estimated_greedy']:.2f}), T=1 {sampled['acceptance_length']:.2f} (first "
+              f"{sampled['first_draft_acceptance']:.2f}, offline {sampled['estimated_sampled']:.2f})", flush=True)
+    headers = ["row", "greedy: accepted/verify", "greedy: first draft", "T=1: accepted/verify", "T=1: first draft",
+               "offline greedy", "offline T=1", "train s", "vocab coverage"]
+    table = print_table(headers, [[r["row"], r["greedy"]["acceptance_length"], r["greedy"]["first_draft_acceptance"],
+                                   r["T1"]["acceptance_length"], r["T1"]["first_draft_acceptance"],
+                                   r["greedy"]["estimated_greedy"], r["T1"]["estimated_sampled"],
+                                   round(r.get("train_seconds", 0.0)), r["vocab_coverage_held_out"]]
+                                  for r in results])
+    print(table)
+    path = write_results(args.out, {"args": vars(args), "data": read_manifest(args.data)["command"],
+                                    "rows": results, "table": table, "partial": False})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
