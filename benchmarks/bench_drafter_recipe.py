@@ -182,24 +182,6 @@ def starting_drafter(model, init: str, vocab: torch.Tensor) -> Eagle3Drafter:
     return drafter
 
 
-def with_draft_vocab(drafter: Eagle3Drafter, model, vocab: torch.Tensor) -> Eagle3Drafter:
-    """``drafter`` over another draft vocabulary: its layers, its trained head rows for the tokens it keeps, the
-    policy's head rows for the new ones."""
-    if drafter.draft_vocab_size == len(vocab):
-        grown = copy.deepcopy(drafter)
-        grown.set_draft_vocab(vocab)
-        return grown
-    grown = Eagle3Drafter.from_target(model, draft_vocab_size=len(vocab))
-    grown.set_draft_vocab(vocab)
-    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("lm_head") and k not in ("d2t", "t2d")}
-    grown.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        position = torch.searchsorted(drafter.d2t, grown.d2t).clamp(max=len(drafter.d2t) - 1)
-        kept = drafter.d2t[position] == grown.d2t
-        grown.lm_head.weight[kept] = drafter.lm_head.weight[position[kept]].to(grown.lm_head.weight.dtype)
-    return grown
-
-
 def train_row(recipe: Recipe, drafter: Eagle3Drafter, model, sequences: list[BufferedSequence], args) -> dict:
     trainer = DrafterTrainer(drafter, model, lr=recipe.lr, unroll_steps=recipe.unroll_steps,
                              micro_batch_size=args.micro_batch, seed=args.seed, feature_noise=recipe.feature_noise,
@@ -275,7 +257,7 @@ def main() -> None:
         vocab = counts.most_frequent(recipe.draft_vocab, vocab_size)
         drafter = copy.deepcopy(start_vocab)
         if recipe.draft_vocab != drafter.draft_vocab_size:
-            drafter = with_draft_vocab(drafter, model, vocab)
+            drafter = drafter.with_draft_vocab(vocab)
         print(f"[{name}] {recipe}", flush=True)
         row = {"row": name, "recipe": dataclasses.asdict(recipe), "steps": args.steps if recipe.train else 0}
         if recipe.train:

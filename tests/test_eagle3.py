@@ -188,6 +188,26 @@ def test_a_new_draft_vocabulary_keeps_the_trained_rows(model):
     assert torch.equal(drafter.lm_head.weight[8:], model.get_output_embeddings().weight[26:34])
 
 
+def test_a_trained_drafter_grows_its_draft_vocabulary_keeping_what_it_learned(model, trained):
+    drafter = trained
+    vocab = torch.arange(4, 64, 2)  # 30 tokens: some the drafter drafts (all 64 now), half of them dropped
+    grown = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS, draft_vocab_size=16)
+    grown.load_state_dict({k: v for k, v in drafter.state_dict().items() if k not in ("d2t", "lm_head.weight")},
+                          strict=False)
+    grown.set_draft_vocab(torch.arange(0, 32, 2))
+    with torch.no_grad():
+        grown.lm_head.weight.copy_(torch.randn_like(grown.lm_head.weight))  # "trained" rows of tokens 0, 2, .., 30
+    bigger = grown.with_draft_vocab(vocab)
+    assert bigger.draft_vocab_size == 30 and torch.equal(bigger.d2t, vocab)
+    for name, value in grown.state_dict().items():
+        if name not in ("d2t", "lm_head.weight"):
+            assert torch.equal(bigger.state_dict()[name], value), name
+    assert torch.equal(bigger.lm_head.weight[:14], grown.lm_head.weight[2:])  # tokens 4..30 kept their rows
+    assert torch.equal(bigger.lm_head.weight[14:], model.get_output_embeddings().weight[32:64:2])
+    with pytest.raises(RuntimeError, match="not bound"):
+        Eagle3Drafter(grown.config).with_draft_vocab(vocab)
+
+
 def test_features_of_the_wrong_layers_are_refused_with_the_fix(model):
     drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
     trainer = DrafterTrainer(drafter, model)

@@ -15,6 +15,8 @@ trained here.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,6 +70,27 @@ class OwnHead:
             kept = old_ids[position] == self.d2t
             rows[kept] = old_rows[position[kept]]
             self.lm_head.weight.copy_(rows)
+
+    def with_draft_vocab(self, token_ids: torch.Tensor):
+        """A copy of this (bound) drafter over ``token_ids``, of any size: its layers as trained, its trained head
+        rows for the tokens it keeps and the policy's head rows for the new ones. :meth:`set_draft_vocab` keeps the
+        size; this grows or shrinks a trained drafter's draft vocabulary."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        config = copy.deepcopy(self.config)
+        config.draft_vocab_size = len(token_ids)
+        weight = self.lm_head.weight
+        grown = type(self)(config).to(device=weight.device, dtype=weight.dtype)
+        grown._target = self.target  # refuses an unbound drafter: the new rows are the policy's
+        grown.load_state_dict({k: v for k, v in self.state_dict().items() if k not in ("d2t", "lm_head.weight")},
+                              strict=False)
+        super(OwnHead, grown).set_draft_vocab(token_ids)  # checks the ids
+        with torch.no_grad():
+            rows = self.target.head.weight[grown.d2t].to(weight.dtype)
+            position = torch.searchsorted(self.d2t, grown.d2t).clamp(max=len(self.d2t) - 1)
+            kept = self.d2t[position] == grown.d2t
+            rows[kept] = weight[position[kept]]
+            grown.lm_head.weight.copy_(rows)
+        return grown
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (index with ``d2t`` to get target ids)."""
