@@ -73,16 +73,32 @@ def sample(args) -> None:
     print(f"{len(sequences)} answers, {answer_tokens} answer tokens in {seconds:.0f}s -> {path}")
 
 
-def load_answers(directory: str | None) -> dict:
+def load_answers(directory: str | None, answer_tokens: int | None = None, seed: int = 0) -> dict:
     """``{"sequences", "answer_tokens", "command"}``: the answers of a repository data folder, or the sample
-    command's cache (``directory`` None)."""
+    command's cache (``directory`` None); ``answer_tokens``: a seeded share of whole answers, mixed across shards,
+    of at least that many answer tokens (the policy forward over all of them is the long part on a CPU)."""
     if directory is None:
         data = torch.load(cache_dir() / "answers.pt")
         return {**data, "command": f"python scripts/train_shipped_drafter.py sample --prompts {data['prompts']}"}
     from tlt_trainers.shipped.answers import iter_answers, read_manifest
 
+    answers = list(iter_answers(directory))
+    if answer_tokens is not None:
+        import random
+
+        random.Random(seed).shuffle(answers)
+        total = sum(len(a.answer_ids) for a in answers)
+        if answer_tokens > total:
+            raise SystemExit(f"--answer-tokens {answer_tokens}: {directory} holds {total}; sample more shards with "
+                             "scripts/sample_policy_answers.py, or ask for fewer.")
+        taken = 0
+        for count, a in enumerate(answers):
+            taken += len(a.answer_ids)
+            if taken >= answer_tokens:
+                answers = answers[: count + 1]
+                break
     sequences = [{"tokens": torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.int32),
-                  "prompt_len": len(a.prompt_ids), "temperature": a.temperature} for a in iter_answers(directory)]
+                  "prompt_len": len(a.prompt_ids), "temperature": a.temperature} for a in answers]
     return {"sequences": sequences, "answer_tokens": sum(len(s["tokens"]) - s["prompt_len"] for s in sequences),
             "command": read_manifest(directory)["command"]}
 
@@ -105,6 +121,13 @@ def output_dir(args) -> Path:
 def recipe_flags(args) -> str:
     """The flags beyond --architecture and --minutes that made this drafter (for its reproduce command)."""
     flags = f" --lr {args.lr:g}" + (f" --lr-schedule {args.lr_schedule}" if args.lr_schedule != "constant" else "")
+    flags += "".join(f" --{name.replace('_', '-')} {getattr(args, name):g}"
+                     for name, default in (("draft_vocab", 4096), ("unroll_steps", 3), ("feature_noise", 0.0),
+                                           ("tv_weight", 0.0)) if getattr(args, name) != default)
+    if args.answer_tokens is not None:
+        flags += f" --answer-tokens {args.answer_tokens}"
+    if args.init:
+        flags += f" --init {args.init}"
     if args.architecture == "block":
         flags += f" --block-size {args.block_size} --layers {args.layers} --block-anchors {args.block_anchors}"
     return flags
@@ -118,7 +141,9 @@ def train(args) -> None:
     from tlt_trainers.shipped.prompts import TEMPERATURES
 
     model, tokenizer = load_smollm2()
-    data = load_answers(args.data)
+    device = torch.device(args.device)
+    model.to(device)  # the drafter is made on (or loaded to) the policy's device
+    data = load_answers(args.data, args.answer_tokens, args.seed)
     sequences = data["sequences"]
     if args.minutes <= 0:
         raise SystemExit("--minutes must be > 0.")
@@ -130,10 +155,17 @@ def train(args) -> None:
         drafter = Drafter.from_pretrained(args.init, target=model)
     else:
         drafter = new_drafter(args, model)
+    counts = FeatureBuffer(1 << 20)
+    for seq in sequences:
+        counts._count(seq["tokens"].long())
+    if args.init and drafter.config.uses_draft_vocab and drafter.draft_vocab_size != args.draft_vocab:
+        # the trained drafter over the most frequent tokens of this data, its learned head rows kept
+        drafter = drafter.with_draft_vocab(counts.most_frequent(args.draft_vocab, drafter.config.vocab_size))
     trainer = DrafterTrainer(drafter, model, lr=args.lr, unroll_steps=args.unroll_steps,
                              micro_batch_size=args.micro_batch_size, buffer_bytes=64 << 30,
                              max_tokens_per_sequence=1024, show_progress=False, seed=args.seed,
-                             block_anchors=args.block_anchors)
+                             block_anchors=args.block_anchors, feature_noise=args.feature_noise,
+                             tv_weight=args.tv_weight)
     checkpoint = Path(args.out, "checkpoint")
     previous = {}
     if args.resume:
@@ -146,9 +178,6 @@ def train(args) -> None:
         previous = json.loads(Path(args.init, "training.json").read_text())
         print(f"from {args.init} ({previous['train_seconds'] / 60:.1f} min trained)", flush=True)
     else:
-        counts = FeatureBuffer(1 << 20)
-        for seq in sequences:
-            counts._count(seq["tokens"].long())
         drafter.set_draft_vocab(counts.most_frequent(drafter.draft_vocab_size, drafter.config.vocab_size))
     start = time.perf_counter()
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["tokens"]))
@@ -159,7 +188,7 @@ def train(args) -> None:
         mask = torch.zeros_like(ids)
         for j, r in enumerate(rows):
             ids[j, : len(r)], mask[j, : len(r)] = r, 1
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu"))):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=native_bf16(device)):
             trainer.add_sequences(ids, mask)  # bfloat16 where native: 2x faster, features within bf16 rounding
         print(f"features {first + len(rows)}/{len(order)} sequences, {time.perf_counter() - start:.0f}s", flush=True)
     feature_seconds = time.perf_counter() - start
@@ -184,7 +213,10 @@ def train(args) -> None:
                 "feature_seconds": feature_seconds, "train_seconds": before + trained,
                 "steps": trainer.step + (previous.get("steps", 0) if args.init else 0),
                 "tokens_trained": tokens_before + tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
-                "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size, "history": history,
+                "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size,
+                "draft_vocab": drafter.draft_vocab_size if drafter.config.uses_draft_vocab else None,
+                "feature_noise": args.feature_noise, "tv_weight": args.tv_weight,
+                "init": args.init, "history": history,
                 "command": "{} && python scripts/train_shipped_drafter.py train --architecture {}{} --minutes "
                            "{:g}".format(data["command"], args.architecture,
                                          recipe_flags(args) + (f" --data {args.data}" if args.data else ""),
@@ -317,7 +349,15 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                    help="cosine: from --lr down to a tenth of it over this run's --minutes")
-    p.add_argument("--unroll-steps", type=int, default=3)
+    p.add_argument("--unroll-steps", type=int, default=3, help="training-time test: chained draft steps")
+    p.add_argument("--feature-noise", type=float, default=0.0, help="Gaussian noise on the policy's features, "
+                   "relative to their RMS (DrafterTrainer.feature_noise)")
+    p.add_argument("--tv-weight", type=float, default=0.0, help="EAGLE-3: weight of the total-variation term, 1 - a "
+                   "sampled draft's acceptance chance (DrafterTrainer.tv_weight)")
+    p.add_argument("--device", default="cpu", help="where the policy's forward and the training run (cuda: minutes "
+                   "for what takes a CPU hours)")
+    p.add_argument("--answer-tokens", type=int, default=None, help="train on a seeded share of --data of this many "
+                   "answer tokens (default: all of it)")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--report-every", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
