@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -95,6 +97,8 @@ def parse_args():
     p.add_argument("--k", type=int, default=4, help="drafts per step (a chain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_drafter_recipe")
+    p.add_argument("--update", action="store_true", help="replace these rows in --out's results (same machine, same "
+                   "settings, the same first row), keeping its other rows")
     return p.parse_args()
 
 
@@ -187,7 +191,10 @@ def train_row(recipe: Recipe, drafter: Eagle3Drafter, model, sequences: list[Buf
                              micro_batch_size=args.micro_batch, seed=args.seed, feature_noise=recipe.feature_noise,
                              tv_weight=recipe.tv_weight)
     trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1024)
-    trainer.buffer.sequences.extend(sequences[: max(1, round(len(sequences) * recipe.data_share))])
+    count = max(1, round(len(sequences) * recipe.data_share))
+    # a seeded share of the conversations (the cached ones are sorted by length: a slice would be the shortest)
+    trainer.buffer.sequences.extend(random.Random(args.seed).sample(sequences, count) if count < len(sequences)
+                                    else sequences)
     done, seconds, top1 = 0, 0.0, []
     while done < args.steps:
         if recipe.lr_schedule == "cosine":
@@ -234,6 +241,25 @@ def offline(trainer: DrafterTrainer, sequences: list[BufferedSequence]) -> dict:
             "estimated_sampled": result["estimated_sampled_acceptance_length"]}
 
 
+SETTINGS = ("init", "data", "train_tokens", "steps", "micro_batch", "prompts", "new_tokens", "k", "seed")
+
+
+def previous_rows(args) -> tuple[list[dict], list[str]]:
+    """``--update``: the rows of ``--out``'s results and the commands that made them, if they were measured on this
+    CPU with these settings (rows of another machine or budget do not compare)."""
+    from common import RESULTS, cpu_name
+
+    path = RESULTS / f"{args.out}.json"
+    if not path.is_file():
+        return [], []
+    old = json.loads(path.read_text())
+    differ = [k for k in SETTINGS if old["args"].get(k) != getattr(args, k)]
+    if old["machine"]["cpu"] != cpu_name() or differ:
+        raise SystemExit(f"--update: {path} was measured on {old['machine']['cpu']} with other settings ({differ}); "
+                         "measure all rows here, under another --out.")
+    return old["rows"], old.get("commands") or [old["command"]]
+
+
 def main() -> None:
     args = parse_args()
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
@@ -251,7 +277,13 @@ def main() -> None:
     prompts = prompt_mix(tok, args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
     start_vocab = starting_drafter(model, args.init, counts.most_frequent(4096, vocab_size))
     held_out: dict[float, list[BufferedSequence]] = {}
-    results = []
+    results, commands = [], []
+    if args.update:
+        results, commands = previous_rows(args)
+        if results and names[0] != results[0]["row"]:
+            raise SystemExit(f"--update: measure {results[0]['row']!r} first, as the first run did: its answers to "
+                             "the held-out prompts are what every row is scored on offline.")
+    commands.append("python " + shlex.join(sys.argv))
     for name in names:
         recipe = ROWS[name]
         vocab = counts.most_frequent(recipe.draft_vocab, vocab_size)
@@ -273,8 +305,9 @@ def main() -> None:
                 row[label] = measured | offline(evaluator, held_out[temperature])
         answer_ids = [s.tokens[(s.target_probs.sum(-1) == 0).sum() + 1 :] for seqs in held_out.values() for s in seqs]
         row["vocab_coverage_held_out"] = coverage(drafter.d2t, answer_ids, vocab_size)
-        results.append(row)
-        write_results(args.out, {"args": vars(args), "rows": results, "partial": True})
+        results = [r for r in results if r["row"] != name] + [row]
+        results.sort(key=lambda r: list(ROWS).index(r["row"]))
+        write_results(args.out, {"args": vars(args), "rows": results, "partial": True, "commands": commands})
         greedy, sampled = row["greedy"], row["T1"]
         print(f"[{name}] greedy {greedy['acceptance_length']:.2f} (first {greedy['first_draft_acceptance']:.2f}, "
               f"offline {greedy['estimated_greedy']:.2f}), T=1 {sampled['acceptance_length']:.2f} (first "
@@ -288,7 +321,7 @@ def main() -> None:
                                   for r in results])
     print(table)
     path = write_results(args.out, {"args": vars(args), "data": read_manifest(args.data)["command"],
-                                    "rows": results, "table": table, "partial": False})
+                                    "rows": results, "table": table, "partial": False, "commands": commands})
     print(f"wrote {path}")
 
 
