@@ -146,7 +146,8 @@ def answer_features(model, made: list[tuple[torch.Tensor, int]]) -> list[Buffere
     for ids, prompt_len in made:
         trainer.add_sequences(ids[None])
         seq = trainer.buffer.sequences[-1]
-        seq.target_probs[: prompt_len - 1] = 0  # position t predicts token t + 1: the answer from prompt_len - 1
+        # a draft made at position t is token t + 2; the engine drafts from the second answer token on
+        seq.target_probs[: prompt_len - 1] = 0
     return list(trainer.buffer.sequences)
 
 
