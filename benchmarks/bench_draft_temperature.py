@@ -8,8 +8,8 @@ min(1, p/q) and corrects the rest, so the output is the policy's whatever q is (
 drafter's own law at the rollout's temperature (tau 1), and a draft is then accepted with chance sum min(p, q). This
 measures the alternatives on the shipped SmolLM2-135M-Instruct EAGLE-3 drafter: q = softmax(logits / tau) (tau < 1
 sharper, > 1 flatter) and tau 0, point masses on the drafter's argmax (accepted with chance p(argmax q), as vLLM's
-EAGLE proposers draft). The engine's chain proposer is replaced here by one that divides the drafter's warped logits
-by tau; nothing else changes. TLT's engine drafts a chain of ``--k`` at every step, batch 4, temperature 1, on
+EAGLE proposers draft). The engine's chain proposer is replaced here by one whose ``draw`` divides the drafter's warped
+logits by tau; nothing else changes. TLT's engine drafts a chain of ``--k`` at every step, batch 4, temperature 1, on
 ``benchmarks/bench_drafters.py``'s held-out prompts (the same sampling seeds for every tau). Writes
 benchmarks/results/<--out>.json.
 """
@@ -33,7 +33,6 @@ from tlt_trainers import Drafter, SpeculativeGenerator, TLTConfig  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.proposers import eagle  # noqa: E402
 from tlt_trainers.sampling.distribution import process_logits, sample_categorical  # noqa: E402
-from tlt_trainers.sampling.verify import Proposal  # noqa: E402
 from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
 from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix  # noqa: E402
 
@@ -43,32 +42,15 @@ class TemperedChainProposer(eagle.EagleChainProposer):
 
     tau = 1.0
 
-    def propose(self, rows, strategy):
-        runner, drafter, sampling = self.runner, self.runner.drafter, self.runner.sampling
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        sampling = self.runner.sampling
         if not sampling.do_sample:
-            return super().propose(rows, strategy)
-        feature = runner.catch_up(rows)
-        draft_ids, draft_tokens, draft_probs = [], [], []
-        for j in range(strategy.depth):
-            logits = process_logits(drafter.logits(feature), sampling.params, None, sampling.warpers)
-            if self.tau > 0:
-                probs = torch.softmax(logits / self.tau, dim=-1)
-                index = sample_categorical(probs, sampling.generator)
-                draft_probs.append(probs)
-            else:
-                index = logits.argmax(dim=-1)
-            token = drafter.to_target_ids(index)
-            draft_ids.append(index)
-            draft_tokens.append(token)
-            if j + 1 < strategy.depth:
-                slot = (rows.state.length + j)[:, None]
-                feature = runner.run(rows, feature[:, None], token[:, None], slot,
-                                     kv_len=rows.kv_bound(j + 1))[:, 0]
-        tokens = torch.stack(draft_tokens, dim=1)
-        if not draft_probs:
-            return Proposal.chain(tokens)
-        return Proposal.chain(tokens, draft_probs=torch.stack(draft_probs, dim=1),
-                              draft_ids=torch.stack(draft_ids, dim=1), draft_to_target=drafter.d2t)
+            return super().draw(logits)
+        warped = process_logits(logits, sampling.params, None, sampling.warpers)
+        if self.tau == 0:
+            return warped.argmax(dim=-1), None
+        probs = torch.softmax(warped / self.tau, dim=-1)
+        return sample_categorical(probs, sampling.generator), probs
 
 
 def main() -> None:

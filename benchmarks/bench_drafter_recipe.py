@@ -47,7 +47,7 @@ from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, SpeculativeGene
 from tlt_trainers.drafter.buffer import BufferedSequence, FeatureBuffer  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
-from tlt_trainers.shipped.answers import iter_answers, read_manifest  # noqa: E402
+from tlt_trainers.shipped.answers import answer_share, iter_answers, read_manifest  # noqa: E402
 from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix  # noqa: E402
 
 DATA = ROOT / "data" / "smollm2-135m-instruct-answers"
@@ -103,21 +103,6 @@ def parse_args():
 
 
 # ---------------------------------------------------------------------------------------------------- data
-def training_share(answers: list, answer_tokens: int, seed: int) -> list[torch.Tensor]:
-    """Whole conversations (prompt + answer ids), shuffled across shards, until ``answer_tokens`` are taken."""
-    answers = list(answers)
-    random.Random(seed).shuffle(answers)
-    rows, taken = [], 0
-    for a in answers:
-        if taken >= answer_tokens:
-            break
-        rows.append(torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.long))
-        taken += len(a.answer_ids)
-    if taken < answer_tokens:
-        raise SystemExit(f"The data holds {taken} answer tokens, fewer than --train-tokens {answer_tokens}.")
-    return rows
-
-
 def features(trainer: DrafterTrainer, rows: list[torch.Tensor], label: str) -> list[BufferedSequence]:
     """One no-grad policy forward over ``rows`` (64 at a time, sorted by length): the buffered sequences, their
     features kept in bfloat16 (half the memory; batches are built in the policy's dtype)."""
@@ -270,10 +255,12 @@ def main() -> None:
     model, tok = load_smollm2()
     vocab_size = model.get_output_embeddings().weight.shape[0]
     answers = list(iter_answers(args.data))
-    rows = training_share(answers, args.train_tokens, args.seed)
+    rows = [torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.long)
+            for a in answer_share(answers, args.train_tokens, args.seed)]
     # draft vocabularies: the most frequent tokens of all the answers (the shipped drafter's own: of its data)
     counts = token_counts([torch.tensor(list(a.prompt_ids) + list(a.answer_ids)) for a in answers])
-    sequences = cached_features(model, rows, f"train-{args.train_tokens}-seed{args.seed}")
+    # the share depends on the whole folder (its shuffle): a folder with more shards makes another share
+    sequences = cached_features(model, rows, f"train-{args.train_tokens}-seed{args.seed}-of{len(answers)}")
     print(f"training share: {len(sequences)} conversations, {args.train_tokens}+ answer tokens", flush=True)
     prompts = prompt_mix(tok, args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
     start_vocab = starting_drafter(model, args.init, counts.most_frequent(4096, vocab_size))

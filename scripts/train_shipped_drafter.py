@@ -80,23 +80,11 @@ def load_answers(directory: str | None, answer_tokens: int | None = None, seed: 
     if directory is None:
         data = torch.load(cache_dir() / "answers.pt")
         return {**data, "command": f"python scripts/train_shipped_drafter.py sample --prompts {data['prompts']}"}
-    from tlt_trainers.shipped.answers import iter_answers, read_manifest
+    from tlt_trainers.shipped.answers import answer_share, iter_answers, read_manifest
 
     answers = list(iter_answers(directory))
     if answer_tokens is not None:
-        import random
-
-        random.Random(seed).shuffle(answers)
-        total = sum(len(a.answer_ids) for a in answers)
-        if answer_tokens > total:
-            raise SystemExit(f"--answer-tokens {answer_tokens}: {directory} holds {total}; sample more shards with "
-                             "scripts/sample_policy_answers.py, or ask for fewer.")
-        taken = 0
-        for count, a in enumerate(answers):
-            taken += len(a.answer_ids)
-            if taken >= answer_tokens:
-                answers = answers[: count + 1]
-                break
+        answers = answer_share(answers, answer_tokens, seed)
     sequences = [{"tokens": torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.int32),
                   "prompt_len": len(a.prompt_ids), "temperature": a.temperature} for a in answers]
     return {"sequences": sequences, "answer_tokens": sum(len(s["tokens"]) - s["prompt_len"] for s in sequences),

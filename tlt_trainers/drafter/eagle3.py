@@ -64,12 +64,17 @@ class OwnHead:
         super().set_draft_vocab(token_ids)  # refuses a drafter without a draft vocabulary
         if self._target is None:
             return
-        with torch.no_grad():
-            rows = self.target.head.weight[self.d2t].to(old_rows.dtype)
-            position = torch.searchsorted(old_ids, self.d2t).clamp(max=len(old_ids) - 1)
-            kept = old_ids[position] == self.d2t
-            rows[kept] = old_rows[position[kept]]
-            self.lm_head.weight.copy_(rows)
+        self._keep_head_rows(old_ids, old_rows)
+
+    @torch.no_grad()
+    def _keep_head_rows(self, old_ids: torch.Tensor, old_rows: torch.Tensor) -> None:
+        """Head rows for the draft vocabulary ``d2t``: ``old_rows`` where the token was among ``old_ids``, the
+        policy's head rows for the others."""
+        rows = self.target.head.weight[self.d2t].to(old_rows.dtype)
+        position = torch.searchsorted(old_ids, self.d2t).clamp(max=len(old_ids) - 1)
+        kept = old_ids[position] == self.d2t
+        rows[kept] = old_rows[position[kept]]
+        self.lm_head.weight.copy_(rows)
 
     def with_draft_vocab(self, token_ids: torch.Tensor):
         """A copy of this (bound) drafter over ``token_ids``, of any size: its layers as trained, its trained head
@@ -84,12 +89,7 @@ class OwnHead:
         grown.load_state_dict({k: v for k, v in self.state_dict().items() if k not in ("d2t", "lm_head.weight")},
                               strict=False)
         super(OwnHead, grown).set_draft_vocab(token_ids)  # checks the ids
-        with torch.no_grad():
-            rows = self.target.head.weight[grown.d2t].to(weight.dtype)
-            position = torch.searchsorted(self.d2t, grown.d2t).clamp(max=len(self.d2t) - 1)
-            kept = self.d2t[position] == grown.d2t
-            rows[kept] = weight[position[kept]]
-            grown.lm_head.weight.copy_(rows)
+        grown._keep_head_rows(self.d2t, weight.detach())
         return grown
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:

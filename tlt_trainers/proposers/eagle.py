@@ -101,18 +101,23 @@ class EagleChainProposer:
     def __init__(self, runner: DrafterRunner):
         self.runner = runner
 
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft per row from the drafter's logits: its draft-vocabulary index and the law q it was drawn from
+        (None: a point mass, the argmax when greedy)."""
+        sampling = self.runner.sampling
+        if not sampling.do_sample:
+            return logits.argmax(dim=-1), None
+        probs = torch.softmax(process_logits(logits, sampling.params, None, sampling.warpers), dim=-1)
+        return sample_categorical(probs, sampling.generator), probs
+
     def propose(self, rows: ActiveRows, strategy: Strategy) -> Proposal:
-        runner, drafter, sampling = self.runner, self.runner.drafter, self.runner.sampling
+        runner, drafter = self.runner, self.runner.drafter
         feature = runner.catch_up(rows)
         draft_ids, draft_tokens, draft_probs = [], [], []
         for j in range(strategy.depth):
-            logits = drafter.logits(feature)
-            if sampling.do_sample:
-                probs = torch.softmax(process_logits(logits, sampling.params, None, sampling.warpers), dim=-1)
-                index = sample_categorical(probs, sampling.generator)
+            index, probs = self.draw(drafter.logits(feature))
+            if probs is not None:
                 draft_probs.append(probs)
-            else:
-                index = logits.argmax(dim=-1)
             token = drafter.to_target_ids(index)
             draft_ids.append(index)
             draft_tokens.append(token)

@@ -16,6 +16,7 @@ more) and ``shard-NNNN.npz`` files written by ``scripts/sample_policy_answers.py
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,3 +86,16 @@ def iter_answers(directory: str | Path) -> Iterator[Answer]:
     """Every answer of the folder's shards, in the manifest's order."""
     for name in read_manifest(directory)["shards"]:
         yield from read_shard(Path(directory) / name)
+
+
+def answer_share(answers: Sequence[Answer], answer_tokens: int, seed: int) -> list[Answer]:
+    """A seeded share of whole answers, shuffled across shards, with at least ``answer_tokens`` answer tokens."""
+    answers = list(answers)
+    random.Random(seed).shuffle(answers)
+    taken = 0
+    for count, answer in enumerate(answers):
+        taken += len(answer.answer_ids)
+        if taken >= answer_tokens:
+            return answers[: count + 1]
+    raise ValueError(f"The answers hold {taken} answer tokens, fewer than the {answer_tokens} asked for: sample more "
+                     "shards with scripts/sample_policy_answers.py, or ask for fewer.")
