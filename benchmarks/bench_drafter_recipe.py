@@ -14,11 +14,12 @@ recorded, since some changes cost more per step.
 
 Every row is then measured as ``benchmarks/bench_drafters.py`` measures a drafter: TLT's engine drafting a chain of
 ``--k`` at every step (``speculation="always"``), batch 4, greedy and at temperature 1, on its held-out prompts
-(other reasoning-gym seeds, other chat topics), ``--new-tokens`` each: acceptance length (tokens per policy
-forward) and first-draft acceptance. Beside it, offline on the policy's own answers to those prompts (the first
-row's, exact since the engine is lossless): top-1 agreement per draft step and the sampled-acceptance chance
-sum min(p, q) per step (``DrafterTrainer.evaluate``). The draft-vocabulary rows also give the share of the policy's
-answer tokens each vocabulary covers. Writes benchmarks/results/<--out>.json with the table and the machine.
+(``--prompt-set``: other reasoning-gym seeds and chat topics, or held-out task families), ``--new-tokens`` each:
+acceptance length (tokens per policy forward) and first-draft acceptance. Beside it, offline on the policy's own
+answers to those prompts (the first row's, exact since the engine is lossless): top-1 agreement per draft step and
+the sampled-acceptance chance sum min(p, q) per step (``DrafterTrainer.evaluate``). The draft-vocabulary rows also
+give the share of the policy's answer tokens each vocabulary covers. Writes benchmarks/results/<--out>.json with the
+table and the machine.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from tlt_trainers.drafter.buffer import BufferedSequence, FeatureBuffer  # noqa:
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
 from tlt_trainers.shipped.answers import answer_share, iter_answers, read_manifest  # noqa: E402
-from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix  # noqa: E402
+from tlt_trainers.shipped.prompts import PROMPT_SETS, evaluation_prompts  # noqa: E402
 
 DATA = ROOT / "data" / "smollm2-135m-instruct-answers"
 
@@ -93,6 +94,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=60, help="micro-steps per row")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts (batch 4), bench_drafters' set")
+    p.add_argument("--prompt-set", default="seeds", choices=PROMPT_SETS, help="held out by seed and topic, or by "
+                   "task family (evaluation_prompts)")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="drafts per step (a chain)")
     p.add_argument("--seed", type=int, default=0)
@@ -227,7 +230,8 @@ def offline(trainer: DrafterTrainer, sequences: list[BufferedSequence]) -> dict:
             "estimated_sampled": result["estimated_sampled_acceptance_length"]}
 
 
-SETTINGS = ("init", "data", "train_tokens", "steps", "micro_batch", "prompts", "new_tokens", "k", "seed")
+SETTINGS = ("init", "data", "train_tokens", "steps", "micro_batch", "prompts", "prompt_set", "new_tokens", "k",
+            "seed")
 
 
 def previous_rows(args) -> tuple[list[dict], list[str]]:
@@ -239,7 +243,8 @@ def previous_rows(args) -> tuple[list[dict], list[str]]:
     if not path.is_file():
         return [], []
     old = json.loads(path.read_text())
-    differ = [k for k in SETTINGS if old["args"].get(k) != getattr(args, k)]
+    measured = {"prompt_set": "seeds"} | old["args"]  # results from before --prompt-set measured on "seeds"
+    differ = [k for k in SETTINGS if measured.get(k) != getattr(args, k)]
     if old["machine"]["cpu"] != cpu_name() or differ:
         raise SystemExit(f"--update: {path} was measured on {old['machine']['cpu']} with other settings ({differ}); "
                          "measure all rows here, under another --out.")
@@ -262,7 +267,7 @@ def main() -> None:
     # the share depends on the whole folder (its shuffle): a folder with more shards makes another share
     sequences = cached_features(model, rows, f"train-{args.train_tokens}-seed{args.seed}-of{len(answers)}")
     print(f"training share: {len(sequences)} conversations, {args.train_tokens}+ answer tokens", flush=True)
-    prompts = prompt_mix(tok, args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
+    prompts = evaluation_prompts(tok, args.prompts, args.prompt_set)
     start_vocab = starting_drafter(model, args.init, counts.most_frequent(4096, vocab_size))
     held_out: dict[float, list[BufferedSequence]] = {}
     results, commands = [], []

@@ -3,7 +3,8 @@
     python benchmarks/bench_drafters.py                   # needs the cached answers of scripts/train_shipped_drafter.py
     python benchmarks/bench_drafters.py --kinds eagle3,block --block-drafter DIR   # EAGLE-3 vs a block drafter
 
-On held-out prompts (other reasoning-gym seeds, other chat topics than training), greedy and at temperature 1.0,
+On held-out prompts (``--prompt-set seeds``: other reasoning-gym seeds and chat topics than training; ``families``:
+reasoning-gym task families and chat topics no shipped data holds), greedy and at temperature 1.0,
 batch 1 and 4, TLT's engine with a 4-token chain every step (``speculation="always"``; a block drafter drafts its
 whole block, ``block:K`` with K = block_size - 1): acceptance length (tokens per policy forward), first-draft
 acceptance, and speculative/plain tokens per second, plain decoding measured in the same loop (engines alternate in
@@ -39,7 +40,7 @@ from tlt_trainers.drafter.buffer import FeatureBuffer
 from tlt_trainers.drafter.trainer import native_bf16
 from tlt_trainers.pretrained import load_smollm2
 from tlt_trainers.shipped import shipped_drafter_for
-from tlt_trainers.shipped.prompts import EVAL_CHAT_TOPICS, prompt_mix
+from tlt_trainers.shipped.prompts import PROMPT_SETS, evaluation_prompts
 
 ANSWERS = "shipped-drafter/answers.pt"
 KINDS = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter, "block": BlockDrafter}
@@ -58,6 +59,8 @@ def parse_args():
     p.add_argument("--kinds", default="eagle,eagle3", help=f"drafters fresh and warmed up, of {sorted(KINDS)}")
     p.add_argument("--block-drafter", default=None, help="a trained block drafter (scripts/train_shipped_drafter.py "
                    "train --architecture block) measured beside the shipped EAGLE-3 one")
+    p.add_argument("--prompt-set", default="seeds", choices=PROMPT_SETS, help="held out by seed and topic (the "
+                   "20-task mix), or by task family (the broad mix's held-out families): evaluation_prompts")
     p.add_argument("--out", default="bench_drafters")
     return p.parse_args()
 
@@ -176,7 +179,7 @@ def main() -> None:
     engines = {"plain": SpeculativeGenerator(model, None, TLTConfig(speculation="never"))}
     engines |= {name: SpeculativeGenerator(model, d, TLTConfig(speculation="always", num_speculative_tokens=chain(d)))
                 for name, (d, _) in drafters.items()}
-    prompts = prompt_mix(tok, 2 * args.prompts, seed=7, topics=EVAL_CHAT_TOPICS)
+    prompts = evaluation_prompts(tok, 2 * args.prompts, args.prompt_set)
 
     raw: dict[str, list[dict]] = {}
     names = list(engines)

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from tlt_trainers.shipped.answers import Answer, iter_answers, read_manifest, read_shard, write_shard
-from tlt_trainers.shipped.prompts import BROAD_TASKS, HELD_OUT_TASKS, TASKS, broad_prompt_mix
+from tlt_trainers.shipped.prompts import (
+    BROAD_TASKS,
+    EVAL_CHAT_TOPICS,
+    HELD_OUT_TASKS,
+    TASKS,
+    broad_prompt_mix,
+    evaluation_prompts,
+    prompt_mix,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m-instruct-answers"
 VOCAB = 49152  # SmolLM2's
@@ -45,6 +53,19 @@ def test_held_out_task_families_never_reach_the_training_mix():
     assert all(item["source"][5:] in BROAD_TASKS for item in training if item["source"].startswith("task:"))
     assert all(item["source"][5:] in HELD_OUT_TASKS for item in held_out if item["source"].startswith("task:"))
     assert {item["text"] for item in training} != {item["text"] for item in broad_prompt_mix(60, seed=1001)}
+
+
+def test_evaluation_prompts_are_held_out_by_seed_or_by_family():
+    class NoTemplate:  # chat_prompt passes the user's text through where a tokenizer has no chat template
+        chat_template = None
+
+    families = evaluation_prompts(NoTemplate(), 24, "families")
+    assert families == [item["text"] for item in broad_prompt_mix(24, seed=7, held_out=True)]
+    assert evaluation_prompts(NoTemplate(), 24, "seeds") == prompt_mix(NoTemplate(), 24, seed=7,
+                                                                        topics=EVAL_CHAT_TOPICS)
+    assert not set(families) & {item["text"] for item in broad_prompt_mix(200, seed=1000)}
+    with pytest.raises(ValueError, match="choose from"):
+        evaluation_prompts(NoTemplate(), 4, "tasks")
 
 
 def test_the_committed_answers_are_what_the_manifest_says():

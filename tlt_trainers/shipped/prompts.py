@@ -151,6 +151,23 @@ def broad_prompt_mix(count: int, seed: int, held_out: bool = False) -> list[dict
     return items[:count]
 
 
+PROMPT_SETS = ("seeds", "families")
+
+
+def evaluation_prompts(tokenizer, count: int, prompt_set: str = "seeds", seed: int = 7) -> list[str]:
+    """``count`` chat-formatted held-out prompts to measure a drafter on.
+
+    ``seeds``: the 20-task mix of :func:`prompt_mix` at an evaluation seed, with other chat topics: held out from the
+    first shipped drafter's data by seed and topic, but the broad mix trains on the same task families.
+    ``families``: the broad mix's held-out task families and chat topics (``HELD_OUT_TASKS``, ``EVAL_CHAT_TOPICS``),
+    held out from every shipped data by family and seed: what a drafter meets on a task nobody trained it for."""
+    if prompt_set == "seeds":
+        return prompt_mix(tokenizer, count, seed=seed, topics=EVAL_CHAT_TOPICS)
+    if prompt_set == "families":
+        return [chat_prompt(tokenizer, item["text"]) for item in broad_prompt_mix(count, seed, held_out=True)]
+    raise ValueError(f"prompt_set={prompt_set!r}: choose from {PROMPT_SETS}.")
+
+
 def follow_up(seed: int, index: int) -> str:
     """The second-turn request of conversation ``index`` of a shard sampled with ``seed``."""
     return random.Random(seed * 1_000_003 + index).choice(FOLLOW_UPS)
