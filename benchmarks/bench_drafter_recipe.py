@@ -150,13 +150,6 @@ def cached_features(model, rows: list[torch.Tensor], key: str) -> list[BufferedS
     return sequences
 
 
-def token_counts(rows: list[torch.Tensor]) -> FeatureBuffer:
-    counts = FeatureBuffer(1 << 20)
-    for r in rows:
-        counts._count(r)
-    return counts
-
-
 def coverage(vocab: torch.Tensor, answers: list[torch.Tensor], vocab_size: int) -> float:
     """Share of ``answers``' tokens inside ``vocab`` (the tokens a drafter over it can draft)."""
     inside = torch.zeros(vocab_size, dtype=torch.bool)
@@ -263,7 +256,7 @@ def main() -> None:
     rows = [torch.tensor(list(a.prompt_ids) + list(a.answer_ids), dtype=torch.long)
             for a in answer_share(answers, args.train_tokens, args.seed)]
     # draft vocabularies: the most frequent tokens of all the answers (the shipped drafter's own: of its data)
-    counts = token_counts([torch.tensor(list(a.prompt_ids) + list(a.answer_ids)) for a in answers])
+    counts = FeatureBuffer.counting(list(a.prompt_ids) + list(a.answer_ids) for a in answers)
     # the share depends on the whole folder (its shuffle): a folder with more shards makes another share
     sequences = cached_features(model, rows, f"train-{args.train_tokens}-seed{args.seed}-of{len(answers)}")
     print(f"training share: {len(sequences)} conversations, {args.train_tokens}+ answer tokens", flush=True)

@@ -73,9 +73,7 @@ def answers() -> list[dict]:
 
 
 def draft_vocab(model, sequences, size: int) -> torch.Tensor:
-    counts = FeatureBuffer(1 << 20)
-    for seq in sequences:
-        counts._count(seq["tokens"].long())
+    counts = FeatureBuffer.counting(seq["tokens"] for seq in sequences)
     return counts.most_frequent(size, model.get_output_embeddings().weight.shape[0])
 
 

@@ -143,9 +143,7 @@ def train(args) -> None:
         drafter = Drafter.from_pretrained(args.init, target=model)
     else:
         drafter = new_drafter(args, model)
-    counts = FeatureBuffer(1 << 20)
-    for seq in sequences:
-        counts._count(seq["tokens"].long())
+    counts = FeatureBuffer.counting(seq["tokens"] for seq in sequences)
     if args.init and drafter.config.uses_draft_vocab and drafter.draft_vocab_size != args.draft_vocab:
         # the trained drafter over the most frequent tokens of this data, its learned head rows kept
         drafter = drafter.with_draft_vocab(counts.most_frequent(args.draft_vocab, drafter.config.vocab_size))

@@ -83,6 +83,9 @@ def test_buffer_is_bounded_in_bytes_and_keeps_recent_windows():
     assert all(seq.features.shape[0] == 8 and seq.tokens.shape[0] == 9 for seq in buffer.sequences)
     assert len(buffer) == 10 and buffer.nbytes <= buffer.max_bytes and buffer.evicted_sequences == 20
     assert buffer.most_frequent(3, 10).tolist()[:1] in ([0], [1], [2], [3], [4])
+    # a data set's draft vocabulary, counted without features: by count, then by id; empty rows count nothing
+    counted = FeatureBuffer.counting([torch.tensor([3, 3, 1]), [1, 3, 7], []])
+    assert counted.most_frequent(4, 10).tolist() == [3, 1, 7, 0] and len(counted) == 0
     with pytest.raises(ValueError, match="tokens \\[L\\+1\\] and features \\[L, H\\]"):
         buffer.add(torch.zeros(5, dtype=torch.long), torch.zeros(5, 8))
 

@@ -8,6 +8,7 @@ token frequencies, from which the drafter's draft vocabulary is rebuilt.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,17 @@ class FeatureBuffer:
         self.token_counts: torch.Tensor | None = None
         self.added_sequences = 0
         self.evicted_sequences = 0
+
+    @classmethod
+    def counting(cls, rows: Iterable[torch.Tensor]) -> FeatureBuffer:
+        """An empty buffer that has counted the tokens of ``rows`` (token-id tensors or lists): the draft vocabulary
+        of a data set, by :meth:`most_frequent`, without its features."""
+        counts = cls(1)
+        for row in rows:
+            tokens = torch.as_tensor(row, dtype=torch.long).flatten()
+            if tokens.numel():
+                counts._count(tokens)
+        return counts
 
     def __len__(self) -> int:
         return len(self.sequences)
