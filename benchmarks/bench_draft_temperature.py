@@ -86,7 +86,6 @@ def main() -> None:
     table = print_table(["draft law", "accepted per verify", "first draft accepted"],
                         [["argmax (point mass)" if r["tau"] == 0 else f"tau {r['tau']:g}", r["acceptance_length"],
                           r["first_draft_acceptance"]] for r in rows])
-    print(table)
     print(f"wrote {write_results(args.out, {'args': vars(args), 'rows': rows, 'table': table})}")
 
 

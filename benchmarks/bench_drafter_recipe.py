@@ -110,19 +110,14 @@ def features(trainer: DrafterTrainer, rows: list[torch.Tensor], label: str) -> l
     """One no-grad policy forward over ``rows`` (64 at a time, sorted by length): the buffered sequences, their
     features kept in bfloat16 (half the memory; batches are built in the policy's dtype)."""
     trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1024)
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     start = time.perf_counter()
-    for first in range(0, len(order), 64):
-        chunk = [rows[i][:1025] for i in order[first : first + 64]]
-        ids = torch.zeros(len(chunk), max(map(len, chunk)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(chunk):
-            ids[j, : len(r)], mask[j, : len(r)] = r, 1
-        trainer.add_sequences(ids, mask)
+
+    def on_batch(done: int, total: int) -> None:
         for seq in trainer.buffer.sequences:
             seq.features = seq.features.to(torch.bfloat16)
-        print(f"{label} features: {first + len(chunk)}/{len(order)} sequences, {time.perf_counter() - start:.0f}s",
-              flush=True)
+        print(f"{label} features: {done}/{total} sequences, {time.perf_counter() - start:.0f}s", flush=True)
+
+    trainer.add_token_rows([r[:1025] for r in rows], on_batch=on_batch)
     return list(trainer.buffer.sequences)
 
 
@@ -305,7 +300,6 @@ def main() -> None:
                                    r["greedy"]["estimated_greedy"], r["T1"]["estimated_sampled"],
                                    round(r.get("train_seconds", 0.0)), r["vocab_coverage_held_out"]]
                                   for r in results])
-    print(table)
     path = write_results(args.out, {"args": vars(args), "data": read_manifest(args.data)["command"],
                                     "rows": results, "table": table, "partial": False, "commands": commands})
     print(f"wrote {path}")

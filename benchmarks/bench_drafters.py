@@ -92,14 +92,8 @@ def warm_up(kind: str, minutes: float, count: int, size: int, out: str) -> None:
     drafter = fresh(kind, model, draft_vocab(model, sequences, size))
     trainer = DrafterTrainer(drafter, model, lr=1e-3, unroll_steps=3, buffer_bytes=16 << 30, seed=0)
     start = time.perf_counter()
-    for first in range(0, len(sequences), 32):
-        rows = [s["tokens"].long() for s in sequences[first : first + 32]]
-        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(rows):
-            ids[j, : len(r)], mask[j, : len(r)] = r, 1
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu"))):
-            trainer.add_sequences(ids, mask)  # as scripts/train_shipped_drafter.py
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu"))):
+        trainer.add_token_rows([s["tokens"] for s in sequences], batch_rows=32, sort_by_length=False)
     feature_seconds = time.perf_counter() - start
     metrics = trainer.train(max_seconds=minutes * 60)
     drafter.save_pretrained(out)

@@ -98,6 +98,24 @@ def test_draft_vocabulary_is_rebuilt_from_token_frequencies(model):
     assert trainer.rebuild_draft_vocab().tolist() == [3, 5, 7, 9]
 
 
+def test_whole_conversations_of_any_length_enter_the_buffer_as_if_alone(model):
+    rows = [torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 13, 6, 11)]
+    trainer = DrafterTrainer(EagleDrafter.from_target(model), model)
+    progress = []
+    added = trainer.add_token_rows([r.tolist() for r in rows], batch_rows=2,
+                                   on_batch=lambda done, total: progress.append((done, total)))
+    assert added == 5 and progress == [(2, 5), (4, 5), (5, 5)]
+    assert [len(seq.tokens) for seq in trainer.buffer.sequences] == [4, 6, 9, 11, 13]  # shortest first
+    alone = DrafterTrainer(trainer.drafter, model)
+    for seq in trainer.buffer.sequences:  # padding beside a row changes neither its tokens nor its features
+        alone.add_sequences(seq.tokens[None])
+        assert any(torch.equal(seq.tokens, r) for r in rows)
+        assert torch.allclose(seq.features, alone.buffer.sequences[-1].features, atol=1e-5)
+    kept = DrafterTrainer(trainer.drafter, model)
+    kept.add_token_rows(rows, batch_rows=2, sort_by_length=False)
+    assert [len(seq.tokens) for seq in kept.buffer.sequences] == [9, 4, 13, 6, 11]
+
+
 def test_engine_feeds_rollout_features_without_another_forward(model, rollouts):
     drafter = EagleDrafter.from_target(model)
     trainer = DrafterTrainer(drafter, model)

@@ -222,6 +222,26 @@ class DrafterTrainer:
         self.step = 0
 
     # ------------------------------------------------------------------ data in
+    def add_token_rows(self, rows: Sequence[torch.Tensor | Sequence[int]], batch_rows: int = 64,
+                       sort_by_length: bool = True, on_batch: Callable[[int, int], None] | None = None) -> int:
+        """:meth:`add_sequences` over whole conversations of any lengths (token-id lists or 1-D tensors): right-padded
+        ``batch_rows`` at a time, shortest first (``sort_by_length``) so that batches are mostly real tokens.
+        ``on_batch(done, total)`` runs after each batch (progress, or what the caller does to the new features).
+        Returns how many rows entered the buffer."""
+        rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in rows]
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i])) if sort_by_length else list(range(len(rows)))
+        added = 0
+        for first in range(0, len(order), batch_rows):
+            chunk = [rows[i] for i in order[first : first + batch_rows]]
+            ids = torch.zeros(len(chunk), max(1, *map(len, chunk)), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(chunk):
+                ids[j, : len(r)], mask[j, : len(r)] = r, 1
+            added += self.add_sequences(ids, mask)
+            if on_batch is not None:
+                on_batch(first + len(chunk), len(order))
+        return added
+
     @torch.no_grad()
     def add_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk: int = 8) -> int:
         """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer.
