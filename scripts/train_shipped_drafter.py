@@ -124,6 +124,7 @@ def recipe_flags(args) -> str:
 def train(args) -> None:
     from tlt_trainers import DrafterTrainer
     from tlt_trainers.drafter.buffer import FeatureBuffer
+    from tlt_trainers.drafter.feature_cache import FeatureCache
     from tlt_trainers.drafter.trainer import native_bf16
     from tlt_trainers.pretrained import load_smollm2
     from tlt_trainers.shipped.prompts import TEMPERATURES
@@ -166,10 +167,23 @@ def train(args) -> None:
     else:
         drafter.set_draft_vocab(counts.most_frequent(drafter.draft_vocab_size, drafter.config.vocab_size))
     start = time.perf_counter()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=native_bf16(device)):
-        # bfloat16 where native: 2x faster, features within bf16 rounding
-        trainer.add_token_rows([seq["tokens"] for seq in sequences], on_batch=lambda done, total: print(
-            f"features {done}/{total} sequences, {time.perf_counter() - start:.0f}s", flush=True))
+    autocast = native_bf16(device)  # bfloat16 where native: 2x faster, features within bf16 rounding
+
+    def progress(done: int, total: int) -> None:
+        print(f"features {done}/{total} new sequences, {time.perf_counter() - start:.0f}s", flush=True)
+
+    rows = [seq["tokens"] for seq in sequences]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        if args.feature_cache == "none":
+            feature_cache = {"cached": 0, "computed": trainer.add_token_rows(rows, on_batch=progress)}
+        else:  # each conversation's features computed once, for any later run on the same data
+            from common import cache_root
+
+            cache = FeatureCache.for_trainer(args.feature_cache or cache_root() / "drafter-features", trainer,
+                                             autocast=autocast)
+            feature_cache = cache.fill(trainer, rows, on_batch=progress)
+            print(f"features: {feature_cache['cached']} conversations read from {cache.directory}, "
+                  f"{feature_cache['computed']} computed", flush=True)
     feature_seconds = time.perf_counter() - start
     history, trained, tokens = list(previous.get("history", [])), 0.0, 0
     before, tokens_before = previous.get("train_seconds", 0.0), previous.get("tokens_trained", 0)
@@ -189,7 +203,8 @@ def train(args) -> None:
         drafter.save_pretrained(args.out)
         info = {"answers": len(sequences), "answer_tokens": data["answer_tokens"],
                 "temperatures": list(TEMPERATURES), "architecture": args.architecture,
-                "feature_seconds": feature_seconds, "train_seconds": before + trained,
+                "feature_seconds": feature_seconds, "feature_cache": feature_cache,
+                "train_seconds": before + trained,
                 "steps": trainer.step + (previous.get("steps", 0) if args.init else 0),
                 "tokens_trained": tokens_before + tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
                 "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size,
@@ -337,6 +352,9 @@ def main() -> None:
                    "for what takes a CPU hours)")
     p.add_argument("--answer-tokens", type=int, default=None, help="train on a seeded share of --data of this many "
                    "answer tokens (default: all of it)")
+    p.add_argument("--feature-cache", default=None, help="where each conversation's features are kept once computed "
+                   "(a later run, --resume or another recipe on the same data reads them: about 7 KB a token in "
+                   "float32); default: drafter-features under TLT_CACHE_DIR; 'none': compute them every run")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--report-every", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)

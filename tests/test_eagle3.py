@@ -283,3 +283,26 @@ def test_feature_noise_is_relative_to_each_feature_and_only_in_training(model, u
     assert noisy.evaluate()["loss"] == pytest.approx(trainer.evaluate()["loss"])  # evaluation sees clean features
     with pytest.raises(ValueError, match="must be >= 0"):
         DrafterTrainer(trainer.drafter, model, feature_noise=-0.1)
+
+
+def test_feature_cache_computes_each_conversation_once_and_fills_the_same_buffer(model, tmp_path):
+    from tlt_trainers.drafter.feature_cache import FeatureCache
+
+    rows = [torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 13, 6, 11)]
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    fresh = DrafterTrainer(drafter, model, max_tokens_per_sequence=10)  # the 11- and 13-token rows are windowed
+    fresh.add_token_rows(rows, batch_rows=2)
+    cached = DrafterTrainer(drafter, model, max_tokens_per_sequence=10)
+    cache = FeatureCache.for_trainer(tmp_path, cached)
+    assert cache.fill(cached, rows[:3], batch_rows=2) == {"cached": 0, "computed": 3}
+    again = DrafterTrainer(drafter, model, max_tokens_per_sequence=10)
+    assert cache.fill(again, rows, batch_rows=2) == {"cached": 3, "computed": 2}  # a folder that gained rows
+    # the same order and data; a forward's batch partners (padding) move the features' last bits only
+    for ours, theirs in zip(again.buffer.sequences, fresh.buffer.sequences, strict=True):
+        assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.target_ids, theirs.target_ids)
+        assert torch.allclose(ours.features, theirs.features, atol=1e-5)
+        assert torch.allclose(ours.target_probs.float(), theirs.target_probs.float(), atol=1e-3)
+    assert again.buffer.token_counts.tolist() == fresh.buffer.token_counts.tolist()
+    # another window (or policy, layers, dtype) is another cache
+    other = DrafterTrainer(drafter, model, max_tokens_per_sequence=12)
+    assert FeatureCache.for_trainer(tmp_path, other).fill(other, rows[:1]) == {"cached": 0, "computed": 1}

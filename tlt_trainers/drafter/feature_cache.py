@@ -1,0 +1,97 @@
+"""The policy's features of whole conversations, computed once and kept on disk.
+
+Training a drafter from a data folder starts with the policy's forward over every conversation (its features and
+top-k next-token law), which on a CPU takes longer than an hour for a million tokens, and which every run would
+repeat: a longer run, a resumed one, another recipe on the same data. :class:`FeatureCache` keeps each
+conversation's buffered sequence in its own file, named by a hash of its tokens and of everything else that makes
+the features (the policy, the layers the drafter reads, the window the buffer keeps, the dtype the forward ran in),
+so a run computes only the conversations it has not seen under the same settings, and a folder that gains shards
+reuses the old ones. The buffer is filled in the order :meth:`DrafterTrainer.add_token_rows` uses, cached or not,
+so training from cached features samples the same batches as training from fresh ones (their features equal to the
+last bits, which a forward's batch partners move).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .buffer import BufferedSequence
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FeatureCache:
+    """One file per conversation under ``directory / <settings hash>``; ``settings`` is what, beside the tokens,
+    makes the features (JSON-serialisable). :meth:`for_trainer` builds it for a :class:`DrafterTrainer`."""
+
+    def __init__(self, directory: str | os.PathLike, settings: dict):
+        self.settings = settings
+        self.directory = Path(directory) / _digest(json.dumps(settings, sort_keys=True).encode())[:16]
+
+    @classmethod
+    def for_trainer(cls, directory: str | os.PathLike, trainer, autocast: bool = False, **extra) -> FeatureCache:
+        """The cache of ``trainer``'s features: its policy (fingerprint), the layers its drafter reads, whether it
+        learns the policy's law or regresses features, the buffer's window, and ``autocast`` (the forward ran under
+        bfloat16 autocast); ``extra`` adds anything else the caller's forward depends on."""
+        from ..shipped import policy_fingerprint  # the shipped shelf imports drafters: import when called
+        from .trainer import TARGET_TOP_K, regresses_features
+
+        settings = {"policy": policy_fingerprint(trainer.target.model), "device": trainer.target.device.type,
+                    "dtype": str(next(trainer.target.model.parameters()).dtype), "autocast": autocast,
+                    "feature_layers": list(trainer.drafter.feature_layers or []),
+                    "targets": None if regresses_features(trainer.drafter) else TARGET_TOP_K,
+                    "max_tokens": trainer.buffer.max_tokens, **extra}
+        return cls(directory, settings)
+
+    def path(self, tokens: torch.Tensor) -> Path:
+        return self.directory / f"{_digest(tokens.to(torch.int64).numpy().tobytes())[:32]}.pt"
+
+    def load(self, tokens: torch.Tensor) -> BufferedSequence | None:
+        path = self.path(tokens)
+        return BufferedSequence(**torch.load(path)) if path.is_file() else None
+
+    def save(self, tokens: torch.Tensor, sequence: BufferedSequence) -> None:
+        path = self.path(tokens)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({k: v.cpu() if v is not None else None for k, v in dataclasses.asdict(sequence).items()}, staged)
+        os.replace(staged, path)  # a killed run leaves no half-written file under the real name
+
+    def fill(self, trainer, rows: Sequence[torch.Tensor | Sequence[int]], batch_rows: int = 64,
+             on_batch: Callable[[int, int], None] | None = None) -> dict:
+        """Put the features of ``rows`` (whole conversations) into ``trainer``'s buffer: loaded where cached,
+        else computed by :meth:`DrafterTrainer.add_token_rows` (``batch_rows``, ``on_batch`` as there) and saved.
+        Returns ``{"cached", "computed"}`` (conversations)."""
+        rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in rows]
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # add_token_rows' order
+        found = {i: self.load(rows[i]) for i in order}
+        missing = [i for i in order if found[i] is None]
+        buffer = trainer.buffer
+        if missing:  # computed in a buffer of their own, then saved one file each
+            kept, fresh = buffer, type(buffer)(1 << 62, buffer.max_tokens, buffer.device)
+            trainer.buffer = fresh
+            try:
+                added = trainer.add_token_rows([rows[i] for i in missing], batch_rows, sort_by_length=False,
+                                               on_batch=on_batch)
+            finally:
+                trainer.buffer = kept
+            if added != len(missing):
+                raise ValueError(f"{len(missing) - added} conversations have fewer than two tokens: nothing to learn "
+                                 "from; leave them out of the data.")
+            for i, sequence in zip(missing, fresh.sequences):
+                self.save(rows[i], sequence)
+                found[i] = sequence
+        for i in order:
+            s = found[i]
+            targets = None if s.target_ids is None else (s.target_ids, s.target_probs)
+            buffer.add(s.tokens, s.features, targets)
+        return {"cached": len(rows) - len(missing), "computed": len(missing)}
