@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -37,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are left out (and counted)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--max-num-seqs", type=int, default=128, help="vLLM's concurrent requests")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; "
+                   "default: as set, else tlt_trainers.vllm's 2 GiB)")
     return p.parse_args(argv)
 
 
@@ -115,6 +118,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from tlt_trainers.vllm import in_process_cpu_environment
 
+    if args.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
     in_process_cpu_environment()
     import vllm
     from common import machine
@@ -144,6 +149,7 @@ def main(argv=None) -> None:
         name = f"shard-{k:04d}.npz"
         write_shard(out / name, answers)
         info.update(dtype=args.dtype, max_tokens=args.max_tokens, vllm=vllm.__version__, machine=where,
+                    max_num_seqs=args.max_num_seqs, kv_cache_gib=float(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
                     bytes=(out / name).stat().st_size)
         manifest["shards"][name] = info
         manifest["shards"] = dict(sorted(manifest["shards"].items()))

@@ -109,6 +109,8 @@ def output_dir(args) -> Path:
 def recipe_flags(args) -> str:
     """The flags beyond --architecture and --minutes that made this drafter (for its reproduce command)."""
     flags = f" --lr {args.lr:g}" + (f" --lr-schedule {args.lr_schedule}" if args.lr_schedule != "constant" else "")
+    if args.schedule_minutes:
+        flags += f" --schedule-minutes {args.schedule_minutes:g}"
     flags += "".join(f" --{name.replace('_', '-')} {getattr(args, name):g}"
                      for name, default in (("draft_vocab", 4096), ("unroll_steps", 3), ("feature_noise", 0.0),
                                            ("tv_weight", 0.0)) if getattr(args, name) != default)
@@ -187,9 +189,12 @@ def train(args) -> None:
     feature_seconds = time.perf_counter() - start
     history, trained, tokens = list(previous.get("history", [])), 0.0, 0
     before, tokens_before = previous.get("train_seconds", 0.0), previous.get("tokens_trained", 0)
+    # the cosine's span: this run's minutes, or --schedule-minutes counted across --resume'd runs
+    span = (args.schedule_minutes or args.minutes) * 60
+    done_before = before if args.schedule_minutes and args.resume else 0.0
     while trained < args.minutes * 60:
-        if args.lr_schedule == "cosine":  # over this run's minutes, from --lr down to a tenth of it
-            fraction = min(trained / (args.minutes * 60), 1.0)
+        if args.lr_schedule == "cosine":  # from --lr down to a tenth of it over the span
+            fraction = min((done_before + trained) / span, 1.0)
             for group in trainer.optimizer.param_groups:
                 group["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
         metrics = trainer.train(max_seconds=min(args.report_every, args.minutes * 60 - trained))
@@ -198,7 +203,7 @@ def train(args) -> None:
         history.append({k: metrics[k] for k in ("steps", "tokens", "seconds", "loss", "top1", "top1_by_step")})
         print(f"{trained / 60:.1f} min, step {trainer.step}: loss {metrics['loss']:.3f} top-1 by step "
               f"{[round(a, 3) for a in metrics['top1_by_step']]} ({metrics['tokens'] / metrics['seconds']:.0f} "
-              "tokens/s)", flush=True)
+              f"tokens/s, lr {trainer.optimizer.param_groups[0]['lr']:.2g})", flush=True)
         trainer.save_checkpoint(checkpoint)
         drafter.save_pretrained(args.out)
         info = {"answers": len(sequences), "answer_tokens": data["answer_tokens"],
@@ -207,6 +212,7 @@ def train(args) -> None:
                 "train_seconds": before + trained,
                 "steps": trainer.step + (previous.get("steps", 0) if args.init else 0),
                 "tokens_trained": tokens_before + tokens, "lr": args.lr, "lr_schedule": args.lr_schedule,
+                "schedule_minutes": args.schedule_minutes,
                 "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size,
                 "draft_vocab": drafter.draft_vocab_size if drafter.config.uses_draft_vocab else None,
                 "feature_noise": args.feature_noise, "tv_weight": args.tv_weight,
@@ -342,7 +348,9 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
-                   help="cosine: from --lr down to a tenth of it over this run's --minutes")
+                   help="cosine: from --lr down to a tenth of it over this run's --minutes (or --schedule-minutes)")
+    p.add_argument("--schedule-minutes", type=float, default=None, help="cosine: the schedule's span in training "
+                   "minutes, counted across the runs that --resume each other (a training spread over sittings)")
     p.add_argument("--unroll-steps", type=int, default=3, help="training-time test: chained draft steps")
     p.add_argument("--feature-noise", type=float, default=0.0, help="Gaussian noise on the policy's features, "
                    "relative to their RMS (DrafterTrainer.feature_noise)")
