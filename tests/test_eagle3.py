@@ -306,3 +306,22 @@ def test_feature_cache_computes_each_conversation_once_and_fills_the_same_buffer
     # another window (or policy, layers, dtype) is another cache
     other = DrafterTrainer(drafter, model, max_tokens_per_sequence=12)
     assert FeatureCache.for_trainer(tmp_path, other).fill(other, rows[:1]) == {"cached": 0, "computed": 1}
+
+
+def test_a_feature_pass_killed_midway_keeps_its_finished_batches(model, tmp_path):
+    from tlt_trainers.drafter.feature_cache import FeatureCache
+
+    rows = [torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 13, 6, 11)]
+    trainer = DrafterTrainer(Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS), model)
+    cache = FeatureCache.for_trainer(tmp_path, trainer)
+
+    def killed(done: int, total: int) -> None:
+        if done >= 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cache.fill(trainer, rows, batch_rows=2, on_batch=killed)
+    resumed = DrafterTrainer(trainer.drafter, model)
+    assert cache.fill(resumed, rows, batch_rows=2) == {"cached": 2, "computed": 3} and len(resumed.buffer) == 5
+    with pytest.raises(ValueError, match="fewer than two tokens"):
+        cache.fill(resumed, [torch.tensor([5])])

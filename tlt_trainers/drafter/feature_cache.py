@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -72,24 +73,33 @@ class FeatureCache:
         else computed by :meth:`DrafterTrainer.add_token_rows` (``batch_rows``, ``on_batch`` as there) and saved.
         Returns ``{"cached", "computed"}`` (conversations)."""
         rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in rows]
+        short = sum(len(r) < 2 for r in rows)
+        if short:
+            raise ValueError(f"{short} conversations have fewer than two tokens: nothing to learn from; leave them "
+                             "out of the data.")
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # add_token_rows' order
         found = {i: self.load(rows[i]) for i in order}
         missing = [i for i in order if found[i] is None]
         buffer = trainer.buffer
-        if missing:  # computed in a buffer of their own, then saved one file each
-            kept, fresh = buffer, type(buffer)(1 << 62, buffer.max_tokens, buffer.device)
+        if missing:  # computed in a buffer of their own, each batch saved as it finishes (a killed run keeps them)
+            fresh = type(buffer)(1 << 62, buffer.max_tokens, buffer.device)
+            saved = 0
+
+            def save_batch(done: int, total: int) -> None:
+                nonlocal saved
+                for i, sequence in zip(missing[saved:done], itertools.islice(fresh.sequences, saved, done)):
+                    self.save(rows[i], sequence)
+                    found[i] = sequence
+                saved = done
+                if on_batch is not None:
+                    on_batch(done, total)
+
             trainer.buffer = fresh
             try:
-                added = trainer.add_token_rows([rows[i] for i in missing], batch_rows, sort_by_length=False,
-                                               on_batch=on_batch)
+                trainer.add_token_rows([rows[i] for i in missing], batch_rows, sort_by_length=False,
+                                       on_batch=save_batch)
             finally:
-                trainer.buffer = kept
-            if added != len(missing):
-                raise ValueError(f"{len(missing) - added} conversations have fewer than two tokens: nothing to learn "
-                                 "from; leave them out of the data.")
-            for i, sequence in zip(missing, fresh.sequences):
-                self.save(rows[i], sequence)
-                found[i] = sequence
+                trainer.buffer = buffer
         for i in order:
             s = found[i]
             targets = None if s.target_ids is None else (s.target_ids, s.target_probs)
