@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.target import policy_fingerprint
 from .buffer import BufferedSequence
+from .trainer import TARGET_TOP_K, regresses_features
 
 
 def _digest(data: bytes) -> str:
@@ -43,9 +45,6 @@ class FeatureCache:
         """The cache of ``trainer``'s features: its policy (fingerprint), the layers its drafter reads, whether it
         learns the policy's law or regresses features, the buffer's window, and ``autocast`` (the forward ran under
         bfloat16 autocast); ``extra`` adds anything else the caller's forward depends on."""
-        from ..shipped import policy_fingerprint  # the shipped shelf imports drafters: import when called
-        from .trainer import TARGET_TOP_K, regresses_features
-
         settings = {"policy": policy_fingerprint(trainer.target.model), "device": trainer.target.device.type,
                     "dtype": str(next(trainer.target.model.parameters()).dtype), "autocast": autocast,
                     "feature_layers": list(trainer.drafter.feature_layers or []),

@@ -16,10 +16,26 @@ from torch import nn
 from .cpu_paths import CpuDecodePaths, cpu_head
 from .kv_cache import RowCache, RowState, additive_mask, attention_allowed, tree_attention_allowed
 
+FINGERPRINT_ROWS = 256  # the embedding rows the policy fingerprint sums
+
 
 def text_config(model: nn.Module):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def policy_fingerprint(policy: nn.Module) -> dict:
+    """What identifies a policy: model type, shapes, and the sum of |w| over its first embedding rows (shipped drafters
+    check it before they serve a policy; cached features name it)."""
+    config = text_config(policy)
+    embed = policy.get_input_embeddings().weight
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": int(config.hidden_size),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "vocab_size": int(embed.shape[0]),
+        "embedding_checksum": float(embed.detach()[:FINGERPRINT_ROWS].to(torch.float64).abs().sum()),
+    }
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:

@@ -12,29 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..drafter.registry import kind_named, registered
-from ..modeling.target import text_config
+from ..modeling.target import policy_fingerprint
 
 HERE = Path(__file__).resolve().parent
 FINGERPRINT = "policy_fingerprint.json"
-CHECKSUM_ROWS = 256
 CHECKSUM_TOLERANCE = 1e-3  # relative: a policy loaded in bfloat16 rounds its weights, a different model is far off
-
-
-def policy_fingerprint(policy: nn.Module) -> dict:
-    """What identifies a policy: model type, shapes, and the sum of |w| over its first embedding rows."""
-    config = text_config(policy)
-    embed = policy.get_input_embeddings().weight
-    return {
-        "model_type": getattr(config, "model_type", None),
-        "hidden_size": int(config.hidden_size),
-        "num_hidden_layers": int(config.num_hidden_layers),
-        "vocab_size": int(embed.shape[0]),
-        "embedding_checksum": float(embed.detach()[:CHECKSUM_ROWS].to(torch.float64).abs().sum()),
-    }
 
 
 def _matches(saved: dict, ours: dict) -> bool:
