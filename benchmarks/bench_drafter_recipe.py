@@ -9,8 +9,10 @@ trains ``--steps`` micro-steps of ``--micro-batch`` sequences on the same featur
 ``data/smollm2-135m-instruct-answers`` (a seeded share of ``--train-tokens`` answer tokens, mixed across its
 shards), whose policy forward runs once and is cached under ``TLT_CACHE_DIR``. A row changes one thing against
 the current recipe (the shipped drafter's: training-time test over 3 steps, lr 1e-3 constant, 4096 draft tokens,
-no feature noise, cross-entropy to the policy's top-16 law), at the same number of micro-steps; its seconds are
-recorded, since some changes cost more per step.
+no feature noise, cross-entropy to the policy's top-16 law, one decoder layer), at the same number of micro-steps;
+its seconds are recorded, since some changes cost more per step, and so is what its drafter costs when drafting (a
+draft pass and a chain step over a plain step, the engine's timed cost table). The "2 layers" row stacks a second
+decoder layer on the starting drafter (``Eagle3Drafter.stacked``: it starts as a pass-through).
 
 Every row is then measured as ``benchmarks/bench_drafters.py`` measures a drafter: TLT's engine drafting a chain of
 ``--k`` at every step (``speculation="always"``), batch 4, greedy and at temperature 1, on its held-out prompts
@@ -65,6 +67,7 @@ class Recipe:
     feature_noise: float = 0.0  # Gaussian, relative to each feature's RMS
     tv_weight: float = 0.0  # total-variation term beside the cross-entropy (DrafterTrainer.tv_weight)
     data_share: float = 1.0  # of the row's training answers
+    layers: int = 1  # decoder layers; more are stacked on the starting drafter (Eagle3Drafter.stacked)
     train: bool = True  # False: the starting drafter, measured as it is
 
 
@@ -80,6 +83,7 @@ ROWS: dict[str, Recipe] = {
     "feature noise 0.1": Recipe(feature_noise=0.1),
     "lr cosine": Recipe(lr_schedule="cosine"),
     "tv 1": Recipe(tv_weight=1.0),
+    "2 layers": Recipe(layers=2),
     "lr 3e-4": Recipe(lr=3e-4),
 }
 DEFAULT_ROWS = [name for name in ROWS if name != "lr 3e-4"]
@@ -210,6 +214,17 @@ def engine_acceptance(model, tok, drafter, prompts: list[str], temperature: floa
     return {"acceptance_length": emitted / forwards, "first_draft_acceptance": first / drafted}, made
 
 
+def step_costs(model, drafter, args, context: int = 256) -> dict:
+    """What the row's drafter costs: one draft pass, and a whole chain-of-``args.k`` step, over a plain step, at
+    batch 1 and 4 (the engine's own timed cost table, fastest of three passes, ``context`` tokens cached)."""
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation="always", num_speculative_tokens=args.k))
+    profile = engine.profile(4, context)
+    chain = engine.strategies[0]
+    return {f"batch {b}": {"draft_pass_vs_plain": profile.drafter_seconds(b, 1) / profile.forward_seconds(b, 1),
+                           "chain_step_vs_plain": profile.step_seconds(chain, b) / profile.forward_seconds(b, 1)}
+            for b in (1, 4)}
+
+
 def offline(trainer: DrafterTrainer, sequences: list[BufferedSequence]) -> dict:
     result = trainer.evaluate(sequences)
     return {"top1_by_step": result["top1_by_step"],
@@ -271,6 +286,8 @@ def main() -> None:
         drafter = copy.deepcopy(start_vocab)
         if recipe.draft_vocab != drafter.draft_vocab_size:
             drafter = drafter.with_draft_vocab(vocab)
+        if recipe.layers > drafter.config.num_hidden_layers:  # the new layers start as a pass-through
+            drafter = drafter.stacked(recipe.layers)
         print(f"[{name}] {recipe}", flush=True)
         row = {"row": name, "recipe": dataclasses.asdict(recipe), "steps": args.steps if recipe.train else 0}
         if recipe.train:
@@ -284,6 +301,7 @@ def main() -> None:
                 evaluator = DrafterTrainer(drafter, model, unroll_steps=args.k, micro_batch_size=args.micro_batch)
                 label = "greedy" if temperature == 0 else f"T{temperature:g}"
                 row[label] = measured | offline(evaluator, held_out[temperature])
+            row["step_cost"] = step_costs(model, drafter, args)
         answer_ids = [s.tokens[(s.target_probs.sum(-1) == 0).sum() + 1 :] for seqs in held_out.values() for s in seqs]
         row["vocab_coverage_held_out"] = coverage(drafter.d2t, answer_ids, vocab_size)
         results = [r for r in results if r["row"] != name] + [row]
@@ -294,11 +312,12 @@ def main() -> None:
               f"offline {greedy['estimated_greedy']:.2f}), T=1 {sampled['acceptance_length']:.2f} (first "
               f"{sampled['first_draft_acceptance']:.2f}, offline {sampled['estimated_sampled']:.2f})", flush=True)
     headers = ["row", "greedy: accepted/verify", "greedy: first draft", "T=1: accepted/verify", "T=1: first draft",
-               "offline greedy", "offline T=1", "train s", "vocab coverage"]
+               "offline greedy", "offline T=1", "train s", "vocab coverage", "draft pass / plain step (b1)"]
     table = print_table(headers, [[r["row"], r["greedy"]["acceptance_length"], r["greedy"]["first_draft_acceptance"],
                                    r["T1"]["acceptance_length"], r["T1"]["first_draft_acceptance"],
                                    r["greedy"]["estimated_greedy"], r["T1"]["estimated_sampled"],
-                                   round(r.get("train_seconds", 0.0)), r["vocab_coverage_held_out"]]
+                                   round(r.get("train_seconds", 0.0)), r["vocab_coverage_held_out"],
+                                   r["step_cost"]["batch 1"]["draft_pass_vs_plain"] if "step_cost" in r else "-"]
                                   for r in results])
     path = write_results(args.out, {"args": vars(args), "data": read_manifest(args.data)["command"],
                                     "rows": results, "table": table, "partial": False, "commands": commands})

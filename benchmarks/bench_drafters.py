@@ -2,6 +2,7 @@
 
     python benchmarks/bench_drafters.py                   # needs the cached answers of scripts/train_shipped_drafter.py
     python benchmarks/bench_drafters.py --kinds eagle3,block --block-drafter DIR   # EAGLE-3 vs a block drafter
+    python benchmarks/bench_drafters.py --kinds '' --shipped eagle3 --eagle3-drafter DIR   # a new EAGLE-3 drafter
 
 On held-out prompts (``--prompt-set seeds``: other reasoning-gym seeds and chat topics than training; ``families``:
 reasoning-gym task families and chat topics no shipped data holds), greedy and at temperature 1.0,
@@ -59,6 +60,10 @@ def parse_args():
     p.add_argument("--kinds", default="eagle,eagle3", help=f"drafters fresh and warmed up, of {sorted(KINDS)}")
     p.add_argument("--block-drafter", default=None, help="a trained block drafter (scripts/train_shipped_drafter.py "
                    "train --architecture block) measured beside the shipped EAGLE-3 one")
+    p.add_argument("--eagle3-drafter", default=None, help="a trained EAGLE-3 drafter (scripts/train_shipped_drafter.py "
+                   "train --out DIR) measured beside the shipped one: before and after a new training")
+    p.add_argument("--shipped", default="eagle3,block", help="the shipped drafters measured, of eagle3 and block "
+                   "('' for none)")
     p.add_argument("--prompt-set", default="seeds", choices=PROMPT_SETS, help="held out by seed and topic (the "
                    "20-task mix), or by task family (the broad mix's held-out families): evaluation_prompts")
     p.add_argument("--out", default="bench_drafters")
@@ -158,12 +163,19 @@ def main() -> None:
     for kind, folder in folders.items():
         drafters[f"{ROW_NAMES[kind]} {args.warmup_minutes:g}-min"] = (Drafter.from_pretrained(folder, target=model),
                                                                        str(folder))
-    for architecture in ("eagle3", "block"):
+    shipped_kinds = [k.strip() for k in args.shipped.split(",") if k.strip()]
+    if set(shipped_kinds) - {"eagle3", "block"}:
+        raise SystemExit(f"--shipped {args.shipped!r}: choose from eagle3 and block")
+    for architecture in shipped_kinds:
         shipped = shipped_drafter_for(model, architecture)
         if shipped is not None:
             drafters[f"{architecture} shipped"] = (Drafter.from_pretrained(shipped, target=model), str(shipped))
     if args.block_drafter:
         drafters["block trained"] = (Drafter.from_pretrained(args.block_drafter, target=model), args.block_drafter)
+    if args.eagle3_drafter:
+        drafters["eagle3 trained"] = (Drafter.from_pretrained(args.eagle3_drafter, target=model), args.eagle3_drafter)
+    if not drafters:
+        raise SystemExit("No drafter to measure: name --kinds, --shipped, --block-drafter or --eagle3-drafter.")
 
     def chain(drafter: Drafter) -> int:
         return drafter.max_drafts if drafter.drafts_blocks else args.k

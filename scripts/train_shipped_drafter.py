@@ -97,7 +97,7 @@ def new_drafter(args, model):
     if args.architecture == "block":
         return BlockDrafter.from_target(model, block_size=args.block_size, num_hidden_layers=args.layers,
                                         draft_vocab_size=args.draft_vocab)
-    return Eagle3Drafter.from_target(model, draft_vocab_size=args.draft_vocab)
+    return Eagle3Drafter.from_target(model, draft_vocab_size=args.draft_vocab, num_hidden_layers=args.layers)
 
 
 def output_dir(args) -> Path:
@@ -120,6 +120,8 @@ def recipe_flags(args) -> str:
         flags += f" --init {args.init}"
     if args.architecture == "block":
         flags += f" --block-size {args.block_size} --layers {args.layers} --block-anchors {args.block_anchors}"
+    elif args.layers != 1:
+        flags += f" --layers {args.layers}"
     return flags
 
 
@@ -139,11 +141,15 @@ def train(args) -> None:
     if args.minutes <= 0:
         raise SystemExit("--minutes must be > 0.")
     args.out = str(output_dir(args))
+    if args.layers is None:
+        args.layers = 2 if args.architecture == "block" else 1
     torch.manual_seed(args.seed)
     if args.init:  # continue from a saved drafter's weights (a fresh optimizer; --resume keeps the optimizer too)
         from tlt_trainers import Drafter
 
         drafter = Drafter.from_pretrained(args.init, target=model)
+        if args.architecture == "eagle3" and args.layers > drafter.config.num_hidden_layers:
+            drafter = drafter.stacked(args.layers)
     else:
         drafter = new_drafter(args, model)
     counts = FeatureBuffer.counting(seq["tokens"] for seq in sequences)
@@ -338,7 +344,9 @@ def main() -> None:
     p = sub.add_parser("train", help="train the EAGLE-3 (or block) drafter on the cached answers")
     p.add_argument("--architecture", choices=["eagle3", "block"], default="eagle3")
     p.add_argument("--block-size", type=int, default=8, help="block drafter: tokens per block (block_size-1 drafts)")
-    p.add_argument("--layers", type=int, default=2, help="block drafter: decoder layers")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 1 for EAGLE-3, 2 for the block "
+                   "drafter); with --init, an EAGLE-3 drafter of fewer layers gets new ones stacked on it "
+                   "(Eagle3Drafter.stacked: they start as a pass-through)")
     p.add_argument("--block-anchors", type=int, default=32, help="block drafter: blocks per sequence and step")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     p.add_argument("--init", default=None, help="start from this saved drafter's weights (and its training.json)")

@@ -67,6 +67,16 @@ def _draft_logits(drafter: Drafter, hidden, ids, positions) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def speculators_model(policy):
     """A random EAGLE-3 drafter built by the speculators library for the tiny policy, and its reference logits."""
+    return speculators_drafter(policy, layers=1)
+
+
+@pytest.fixture(scope="module")
+def speculators_two_layers(policy):
+    """The same with two decoder layers (the library's first layer, then a plain Llama decoder layer)."""
+    return speculators_drafter(policy, layers=2)
+
+
+def speculators_drafter(policy, layers: int):
     pytest.importorskip("speculators", reason="the speculators library is not installed (.ci/run installs it)")
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -75,7 +85,7 @@ def speculators_model(policy):
 
     c = policy.config
     layer = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                        num_hidden_layers=1, num_attention_heads=c.num_attention_heads,
+                        num_hidden_layers=layers, num_attention_heads=c.num_attention_heads,
                         num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
                         max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     layer._attn_implementation = "eager"
@@ -348,13 +358,39 @@ def test_what_our_drafters_do_not_compute_is_refused_with_the_reason(tmp_path, p
             Drafter.from_pretrained(copy, target=policy)
     with pytest.raises(ValueError, match="pass target=policy"):
         Drafter.from_pretrained(folder)
-    deeper = tmp_path / "two-layers"
-    shutil.copytree(folder, deeper)
-    tensors = read_weights(deeper)
-    tensors |= {k.replace("layers.0.", "layers.1."): v.clone() for k, v in tensors.items() if k.startswith("layers.0.")}
-    save_file(tensors, str(deeper / "model.safetensors"))
-    with pytest.raises(ValueError, match="has 2 decoder layers"):
-        Drafter.from_pretrained(deeper, target=policy)
+    for extra, reason in ((1, "says num_hidden_layers=1 but holds the weights of 2 decoder layers"),
+                          (2, r"decoder layers \[0, 2\]: layers.1.\* and on must follow")):
+        deeper = tmp_path / f"extra-layer-{extra}"
+        shutil.copytree(folder, deeper)
+        tensors = read_weights(deeper)
+        tensors |= {k.replace("layers.0.", f"layers.{extra}."): v.clone() for k, v in tensors.items()
+                    if k.startswith("layers.0.")}
+        save_file(tensors, str(deeper / "model.safetensors"))
+        with pytest.raises(ValueError, match=reason):
+            Drafter.from_pretrained(deeper, target=policy)
+
+
+def test_a_two_layer_eagle3_drafter_loads_computes_and_exports_what_the_library_computes(
+        tmp_path, policy, speculators_two_layers):
+    """vLLM and the speculators library stack plain decoder layers after EAGLE-3's first one (``layers.1.*``)."""
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    model, chosen = speculators_two_layers
+    drafter = Drafter.from_pretrained(write_eagle3(model, tmp_path / "src", "speculators"), target=policy)
+    assert isinstance(drafter, Eagle3Drafter) and drafter.config.num_hidden_layers == 2
+    assert len(drafter.later_layers) == 1 and torch.equal(drafter.d2t, chosen)
+    hidden, ids, positions = _inputs(policy.config.hidden_size)
+    reference = _speculators_reference(model, hidden, ids)
+    torch.testing.assert_close(_draft_logits(drafter, hidden, ids, positions), reference, atol=1e-5, rtol=1e-5)
+    vllm_dir = export_eagle3_vllm(drafter, tmp_path / "vllm", policy)
+    assert json.loads((vllm_dir / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert "layers.1.self_attn.q_proj.weight" in read_weights(vllm_dir)
+    config = SpeculatorModelConfig.from_pretrained(str(vllm_dir))
+    config.transformer_layer_config._attn_implementation = "eager"
+    library = SpeculatorModel.from_pretrained(str(vllm_dir), config=config).eval()
+    torch.testing.assert_close(_speculators_reference(library, hidden, ids), reference, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="SGLang's EAGLE-3 model .* has one"):
+        export_eagle3_sglang(drafter, tmp_path / "sglang", policy)
 
 
 # ------------------------------------------------------------------------------------------------ the Hub

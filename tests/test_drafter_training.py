@@ -9,7 +9,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.buffer import FeatureBuffer
 from tlt_trainers.drafter.trainer import estimated_acceptance_length
-from tlt_trainers.modeling.kv_cache import RowKV, RowState, additive_mask, attention_allowed
+from tlt_trainers.modeling.kv_cache import RowState, additive_mask, attention_allowed
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def assert_unrolled_matches_chained(drafter, feature_width: int, vocab: int = 64
         valid = torch.ones(1, length, dtype=torch.bool)
         unrolled = drafter.forward_unrolled(hidden, tokens[:, 1:], positions, valid, 3)
         # Inference: real pairs at slots [0, tlen), then chain steps at slots tlen, tlen + 1 with teacher tokens.
-        kv, state = RowKV(length), RowState(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        kv, state = drafter.new_kv(length), RowState(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
         slots = torch.arange(tlen)[None]
         mask = additive_mask(attention_allowed(state, slots, tlen), torch.float32)
         out = drafter(hidden[:, :tlen], tokens[:, 1 : tlen + 1], slots, mask, kv, slots, tlen)

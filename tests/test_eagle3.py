@@ -11,6 +11,7 @@ from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, S
 from tlt_trainers.drafter.eagle3 import default_aux_layers
 from tlt_trainers.drafter.losses import chunked_soft_cross_entropy
 from tlt_trainers.modeling.features import capture_features
+from tlt_trainers.modeling.kv_cache import LayeredKV
 
 LAYERS = [1, 3, 5]
 
@@ -325,3 +326,64 @@ def test_a_feature_pass_killed_midway_keeps_its_finished_batches(model, tmp_path
     assert cache.fill(resumed, rows, batch_rows=2) == {"cached": 2, "computed": 3} and len(resumed.buffer) == 5
     with pytest.raises(ValueError, match="fewer than two tokens"):
         cache.fill(resumed, [torch.tensor([5])])
+
+
+# ------------------------------------------------------------------------------------------------ two layers
+@pytest.fixture(scope="module")
+def two_layers(model, trained):
+    """The trained one-layer drafter with a second layer stacked on it, trained on."""
+    ids, mask = padded_prompts([5] * 32, seed=0)
+    seqs = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=PAD,
+                          eos_token_id=None)
+    torch.manual_seed(0)
+    drafter = trained.stacked(2)
+    trainer = DrafterTrainer(drafter, model, lr=3e-3, unroll_steps=2)
+    trainer.add_sequences(seqs, torch.cat([mask, torch.ones(32, 40, dtype=torch.long)], dim=1))
+    trainer.train(max_steps=40)
+    return drafter
+
+
+def test_a_two_layer_drafter_unrolls_what_it_drafts_with_a_cache_per_layer(model):
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS, num_hidden_layers=2)
+    kv = drafter.new_kv(8)
+    assert isinstance(kv, LayeredKV) and len(kv.layers) == 2
+    assert_unrolled_matches_chained(drafter, feature_width=96)
+    with pytest.raises(ValueError, match="make it with drafter.new_kv"):
+        drafter(torch.randn(1, 2, 96), torch.tensor([[4, 5]]), torch.arange(2)[None], None, LayeredKV(8, 3),
+                torch.arange(2)[None], 2)
+
+
+def test_a_stacked_layer_starts_as_a_pass_through_and_training_grows_it(model, trained, two_layers):
+    deeper = trained.stacked(2)
+    hidden, tokens, positions = torch.randn(2, 7, 96), torch.randint(3, 64, (2, 7)), torch.arange(7).expand(2, -1)
+    with torch.no_grad():
+        assert torch.equal(deeper(hidden, tokens, positions), trained(hidden, tokens, positions))
+    assert deeper.midlayer.self_attn.q_proj.weight.data_ptr() != trained.midlayer.self_attn.q_proj.weight.data_ptr()
+    grown = two_layers.later_layers[0]
+    assert grown.self_attn.o_proj.weight.abs().sum() > 0 and grown.mlp.down_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="already has 2 layers"):
+        two_layers.stacked(2)
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree"])
+def test_a_two_layer_drafter_drafts_losslessly(model, two_layers, strategy):
+    ids, mask = padded_prompts([3, 9, 5, 1, 7, 2], seed=10)
+    config = (TLTConfig(speculation="always", strategy="tree:4x2:6") if strategy == "tree"
+              else TLTConfig(speculation="always", num_speculative_tokens=4))
+    ours = SpeculativeGenerator(model, two_layers, config).generate(
+        ids, attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=PAD, max_new_tokens=24)
+    reference = model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+                               max_new_tokens=24)
+    assert torch.equal(ours.sequences, reference)
+    assert ours.stats.acceptance_length > 1.2
+
+
+def test_a_two_layer_drafter_saves_and_loads(model, two_layers, tmp_path):
+    two_layers.save_pretrained(tmp_path)
+    loaded = Drafter.from_pretrained(tmp_path, target=model)
+    assert isinstance(loaded, Eagle3Drafter) and loaded.config.num_hidden_layers == 2
+    assert loaded.state_dict().keys() == two_layers.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), two_layers.state_dict().values()))
+    with pytest.raises(ValueError, match="EagleDrafter has one decoder layer"):
+        EagleDrafter.from_target(model, num_hidden_layers=2)

@@ -53,10 +53,10 @@ def padded_inputs(drafter, lengths, seed=0):
     return hidden, tokens, positions, valid
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
-def test_packed_unroll_equals_padded_outputs_and_gradients(model, depth):
+@pytest.mark.parametrize("depth,layers", [(1, 1), (2, 1), (4, 1), (3, 2)])
+def test_packed_unroll_equals_padded_outputs_and_gradients(model, depth, layers):
     torch.manual_seed(0)
-    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS, num_hidden_layers=layers)
     hidden, tokens, positions, valid = padded_inputs(drafter, LENGTHS)
     packed = PackedSequences.from_lengths(LENGTHS)
     weights = [torch.randn(*valid.shape, drafter.config.hidden_size, generator=torch.Generator().manual_seed(k))

@@ -48,9 +48,9 @@ def test_exports_name_what_each_engine_reads(tmp_path):
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang captures id + 1
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
+@pytest.fixture(scope="module")
+def plain_vllm():
+    """SmolLM2's greedy answers from plain vLLM: the prompts, their ids and the answers' ids."""
     try:
         require_vllm()
     except ImportError as err:
@@ -62,21 +62,38 @@ def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
             env.setenv(key, value)
         from vllm import LLM, SamplingParams
 
-        model, tok = load_smollm2()
-        path = str(smollm2_hf_dir())
+        _, tok = load_smollm2()
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True) for q in QUESTIONS]
-        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        plain = LLM(path, **ENGINE)
-        outputs = plain.generate(prompts, greedy, use_tqdm=False)
+        plain = LLM(str(smollm2_hf_dir()), **ENGINE)
+        outputs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         reference, prompt_ids = _ids(outputs), [list(o.prompt_token_ids) for o in outputs]
         shut_down(plain)
         del plain, outputs
         gc.collect()
+    return prompts, prompt_ids, reference
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("layers", [1, 2])
+def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path, plain_vllm, layers):
+    """One decoder layer, and two (vLLM stacks ``layers.1`` after EAGLE-3's first layer, each with its own KV)."""
+    from tlt_trainers.pretrained import load_smollm2, smollm2_hf_dir
+
+    prompts, prompt_ids, reference = plain_vllm
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in ENV.items():
+            env.setenv(key, value)
+        from vllm import SamplingParams
+
+        model, tok = load_smollm2()
+        path = str(smollm2_hf_dir())
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
         # A drafter fitted to these very answers, so that vLLM accepts a fair share of its drafts.
         torch.manual_seed(0)
-        drafter = Eagle3Drafter.from_target(model, draft_vocab_size=4096)
+        drafter = Eagle3Drafter.from_target(model, draft_vocab_size=4096, num_hidden_layers=layers)
         sequences = [p + c for p, c in zip(prompt_ids, reference)]
         width = max(map(len, sequences))
         ids = torch.full((len(sequences), width), tok.pad_token_id)
@@ -96,7 +113,7 @@ def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
 
         # The engine starts with an untrained drafter (and another draft vocabulary); the trained one is pushed.
         torch.manual_seed(1)
-        untrained = Eagle3Drafter.from_target(model, draft_vocab_size=4096)
+        untrained = Eagle3Drafter.from_target(model, draft_vocab_size=4096, num_hidden_layers=layers)
         sync = VLLMDrafterSync(untrained, path, directory=tmp_path / "eagle3", num_speculative_tokens=3)
         llm = sync.create_llm(path, **ENGINE)
         try:
@@ -115,7 +132,7 @@ def test_vllm_serves_the_export_as_our_engine_runs_it(tmp_path):
             sync.close()
             gc.collect()
     assert fresh == reference
-    assert timing.tensors == 15
+    assert timing.tensors == 15 + 9 * (layers - 1)  # a later layer: two norms, q/k/v/o, gate/up/down
     assert served == reference
     vllm_acceptance = counts.num_accepted_tokens / counts.num_draft_tokens
     assert counts_fresh.num_accepted_tokens / counts_fresh.num_draft_tokens < 0.1, counts_fresh

@@ -291,11 +291,16 @@ class AutoregressiveDrafter(Drafter):
     """A drafter that drafts one token per pass, reading its own prediction for the next (EAGLE-1, EAGLE-3):
     chains and trees of drafts, trained with training-time test."""
 
+    stacks_layers: bool = False  # whether the kind may have more than one decoder layer (EAGLE-3 does, as vLLM)
+
     @classmethod
     def check_config(cls, config: EagleDrafterConfig) -> None:
-        if config.block_size is not None or config.num_hidden_layers != 1:
-            raise ValueError("block_size and num_hidden_layers are BlockDrafter settings; EAGLE drafters have one "
-                             "layer and draft token by token.")
+        if config.block_size is not None:
+            raise ValueError("block_size is a BlockDrafter setting; EAGLE drafters draft token by token.")
+        if config.num_hidden_layers < 1 or (config.num_hidden_layers != 1 and not cls.stacks_layers):
+            raise ValueError(f"num_hidden_layers={config.num_hidden_layers}: {cls.__name__} has one decoder layer"
+                             + (" or more" if cls.stacks_layers else " (Eagle3Drafter and BlockDrafter stack more)")
+                             + ".")
 
     @abstractmethod
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,

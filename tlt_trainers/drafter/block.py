@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..modeling.kv_cache import RowKV
+from ..modeling.kv_cache import LayeredKV
 from ..modeling.target import text_config
 from .base import Drafter
 from .config import EagleDrafterConfig
@@ -102,38 +102,6 @@ class BlockLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, merge) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, mask, merge)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LayeredKV:
-    """The block drafter's per-row cache: one :class:`RowKV` per layer, dropped and moved together."""
-
-    def __init__(self, capacity: int, num_layers: int):
-        self.capacity = capacity
-        self.layers = [RowKV(capacity) for _ in range(num_layers)]
-
-    @property
-    def reserve_rows(self) -> int:
-        return self.layers[0].reserve_rows if self.layers else 0
-
-    @reserve_rows.setter
-    def reserve_rows(self, rows: int) -> None:
-        for layer in self.layers:
-            layer.reserve_rows = rows
-
-    def reset(self, rows: int) -> None:
-        for layer in self.layers:
-            layer.reset(rows)
-
-    def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
-        for layer in self.layers:
-            layer.compact(holes, movers, n)
-
-    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.move(source, dest)
-
-    def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
 
 
 class BlockDrafter(FusedLayers, OwnHead, Drafter):

@@ -8,6 +8,8 @@ the policy, and its checkpoints hold only what it learned.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,12 +108,13 @@ def ttt_mask(step: int, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def unroll(attention: DrafterAttention, layer, first_features: torch.Tensor, positions: torch.Tensor,
-           valid: torch.Tensor | PackedSequences, depth: int) -> list[torch.Tensor]:
+def unroll(attention: DrafterAttention | Sequence[DrafterAttention], layer, first_features: torch.Tensor,
+           positions: torch.Tensor, valid: torch.Tensor | PackedSequences, depth: int) -> list[torch.Tensor]:
     """Run ``layer(features, attend)`` for ``depth`` chained draft steps (training-time test).
 
-    Step 0 reads ``first_features`` [B, L, F]; step d at position t reads step d-1's prediction at t-1. ``attend(x)``
-    is the attention output for the layer's attention input x, against the keys of every step so far, masked by
+    Step 0 reads ``first_features`` [B, L, F]; step d at position t reads step d-1's prediction at t-1.
+    ``attend(x, index=0)`` is the output of attention module ``index`` (of ``attention``: one module, or one per
+    decoder layer of a deeper drafter) for its input x, against that module's keys of every step so far, masked by
     :func:`ttt_mask`. Returns each step's prediction [B, L, H].
 
     ``valid`` [B, L] marks the real tokens of padded rows; a :class:`PackedSequences` instead says that the one row
@@ -123,24 +126,31 @@ def unroll(attention: DrafterAttention, layer, first_features: torch.Tensor, pos
     if packed is not None and (first_features.shape[0] != 1 or first_features.shape[1] != packed.total):
         raise ValueError(f"Packed sequences of {packed.total} tokens go in one row [1, {packed.total}, F], got "
                          f"{tuple(first_features.shape)}.")
-    keys, values, outputs = [], [], []
+    attentions = [attention] if isinstance(attention, DrafterAttention) else list(attention)
+    keys: list[list[torch.Tensor]] = [[] for _ in attentions]  # per attention module, one entry per step
+    values: list[list[torch.Tensor]] = [[] for _ in attentions]
+    outputs = []
     for step in range(depth):
         if step == 0:
             features = first_features
         else:  # shift: position t reads the previous step's prediction made at t-1 (position 0 is never scored)
             features = torch.cat([outputs[-1][:, :1], outputs[-1][:, :-1]], dim=1)
+        mask = None
 
-        def attend(x, step=step):
-            query, key, value = attention.project(x, positions)  # [B, heads, L, D]
+        def attend(x, index: int = 0, step=step):
+            nonlocal mask
+            module = attentions[index]
+            query, key, value = module.project(x, positions)  # [B, heads, L, D]
             if packed is None:
-                keys.append(key)
-                values.append(value)
-                mask = ttt_mask(step, valid, x.dtype)
-                return attention.attend(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-            keys.append(key[0].transpose(0, 1))  # [T, heads, D]
-            values.append(value[0].transpose(0, 1))
-            out = packed_ttt_attention(query[0].transpose(0, 1), keys, values, packed)
-            return attention.o_proj(out.reshape(1, packed.total, -1))
+                keys[index].append(key)
+                values[index].append(value)
+                if mask is None:  # one mask per step, shared by the layers
+                    mask = ttt_mask(step, valid, x.dtype)
+                return module.attend(query, torch.cat(keys[index], dim=2), torch.cat(values[index], dim=2), mask)
+            keys[index].append(key[0].transpose(0, 1))  # [T, heads, D]
+            values[index].append(value[0].transpose(0, 1))
+            out = packed_ttt_attention(query[0].transpose(0, 1), keys[index], values[index], packed)
+            return module.o_proj(out.reshape(1, packed.total, -1))
 
         outputs.append(layer(features, attend))
     return outputs
@@ -170,7 +180,7 @@ def new_drafter(cls, model: nn.Module, extra: dict, overrides: dict):
         architecture=cls.__name__,
         **extra,
     )
-    unknown = sorted(set(overrides) - set(values) - {"draft_vocab_size"})
+    unknown = sorted(set(overrides) - set(values) - {"draft_vocab_size", "num_hidden_layers"})
     if unknown:
         raise TypeError(f"{cls.__name__}.from_target got unknown settings {unknown}.")
     values.update(overrides)

@@ -1,4 +1,4 @@
-"""Eagle3Drafter: one decoder layer over a fusion of the policy's low, middle and high layers (EAGLE-3).
+"""Eagle3Drafter: decoder layers over a fusion of the policy's low, middle and high layers (EAGLE-3).
 
 What differs from EAGLE-1 (:class:`~tlt_trainers.drafter.eagle.EagleDrafter`):
 
@@ -6,7 +6,9 @@ What differs from EAGLE-1 (:class:`~tlt_trainers.drafter.eagle.EagleDrafter`):
   vLLM's choice), concatenated [3H] and fused by ``fc`` to H; later draft steps read the drafter's own output;
 - the layer sees ``[input_layernorm(embed(x_{t+1})); hidden_norm(feature)]`` (2H) through its q/k/v projections;
 - it predicts tokens only (no regression onto the policy's features), through its own ``norm`` and ``lm_head``
-  over the draft vocabulary, which start as the policy's final norm and head rows.
+  over the draft vocabulary, which start as the policy's final norm and head rows;
+- ``num_hidden_layers`` > 1 stacks plain pre-norm decoder layers (``later_layers``, vLLM's ``layers.1``, ...) on
+  the first: each attends over its own keys, and the last one's output is the next draft step's feature.
 
 Module names and the computation follow vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``), so the export
 (:func:`tlt_trainers.drafter.export_eagle3.export_eagle3_vllm`) is a renaming, and what vLLM serves is what was
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..modeling.kv_cache import RowKV
+from ..modeling.kv_cache import LayeredKV, RowKV
 from ..modeling.target import text_config
 from .base import AutoregressiveDrafter
 from .config import EagleDrafterConfig
@@ -144,8 +146,34 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Eagle3LaterLayer(nn.Module):
+    """A decoder layer after the first (vLLM's ``layers.1`` and on): pre-norm attention over the previous layer's
+    output [H], then the MLP."""
+
+    def __init__(self, config: EagleDrafterConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = DrafterMLP(config)
+
+    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
+        x = x + attend(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    @torch.no_grad()
+    def zero_residual_branches(self) -> None:
+        """Output projections to zero: the layer passes its input through unchanged (a deeper drafter made from a
+        trained one starts as that drafter, and training grows the new layer from there)."""
+        self.self_attn.o_proj.weight.zero_()
+        self.mlp.down_proj.weight.zero_()
+
+
 class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
     """An EAGLE-3 drafter bound to a policy's embedding; its own head scores the draft vocabulary."""
+
+    stacks_layers = True
 
     @classmethod
     def check_config(cls, config: EagleDrafterConfig) -> None:
@@ -163,6 +191,7 @@ class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
         h = config.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * h, h, bias=False)
         self.midlayer = Eagle3Layer(config)
+        self.later_layers = nn.ModuleList(Eagle3LaterLayer(config) for _ in range(config.num_hidden_layers - 1))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
         if target is not None:
@@ -182,7 +211,24 @@ class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
         """Policy features [.., 3H] -> [.., H]; the drafter's own predictions [.., H] pass through."""
         return self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
 
-    def forward(self, hidden, next_tokens, positions, mask=None, kv: RowKV | None = None, slots=None, kv_len=None):
+    @property
+    def attentions(self) -> list[DrafterAttention]:
+        """The attention module of each decoder layer, first to last."""
+        return [self.midlayer.self_attn] + [layer.self_attn for layer in self.later_layers]
+
+    def new_kv(self, capacity: int) -> RowKV | LayeredKV:
+        """One :class:`RowKV` per decoder layer (a single one for the one-layer drafter)."""
+        return RowKV(capacity) if not self.later_layers else LayeredKV(capacity, 1 + len(self.later_layers))
+
+    def layers_forward(self, embedded: torch.Tensor, feature: torch.Tensor, attend) -> torch.Tensor:
+        """Every decoder layer in turn; ``attend(x, index)`` runs layer ``index``'s attention on its input."""
+        x = self.midlayer(embedded, feature, lambda h: attend(h, 0))
+        for index, layer in enumerate(self.later_layers, start=1):
+            x = layer(x, lambda h, index=index: attend(h, index))
+        return x
+
+    def forward(self, hidden, next_tokens, positions, mask=None, kv: RowKV | LayeredKV | None = None, slots=None,
+                kv_len=None):
         """Predicted features [B, q, H] (before the final norm) from the policy's fused layers [B, q, 3H] or the
         drafter's previous predictions [B, q, H], and the tokens [B, q] that followed them."""
         feature = self.fuse(hidden)
@@ -191,11 +237,35 @@ class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
             q = feature.shape[1]
             mask = torch.full((q, q), torch.finfo(feature.dtype).min, device=feature.device,
                               dtype=feature.dtype).triu(1)
-        return self.midlayer(embedded, feature, lambda x: self.midlayer.self_attn(x, positions, mask, kv, slots,
-                                                                                  kv_len))
+        caches = [kv] * (1 + len(self.later_layers)) if not isinstance(kv, LayeredKV) else kv.layers
+        if len(caches) != 1 + len(self.later_layers):
+            raise ValueError(f"A KV cache of {len(caches)} layers for a drafter of {1 + len(self.later_layers)}: "
+                             "make it with drafter.new_kv(capacity).")
+        attentions = self.attentions
+        return self.layers_forward(embedded, feature, lambda x, index: attentions[index](
+            x, positions, mask, caches[index], slots, kv_len))
 
     def forward_unrolled(self, hidden, next_tokens, positions, valid, depth: int) -> list[torch.Tensor]:
         """Training-time test over ``depth`` chained draft steps (see :func:`tlt_trainers.drafter.eagle.unroll`)."""
         embedded = self.embed(next_tokens).to(hidden.dtype)
-        return unroll(self.midlayer.self_attn, lambda features, attend: self.midlayer(embedded, features, attend),
+        return unroll(self.attentions, lambda features, attend: self.layers_forward(embedded, features, attend),
                       self.fuse(hidden), positions, valid, depth)
+
+    def stacked(self, num_hidden_layers: int) -> Eagle3Drafter:
+        """A copy of this (bound) drafter with ``num_hidden_layers`` decoder layers: its trained layers kept, each
+        new layer added after them with zeroed output projections, so the copy drafts exactly as this one until
+        training moves the new layers."""
+        if num_hidden_layers <= len(self.attentions):
+            raise ValueError(f"stacked({num_hidden_layers}): the drafter already has {len(self.attentions)} layers.")
+        config = copy.deepcopy(self.config)
+        config.num_hidden_layers = num_hidden_layers
+        weight = self.lm_head.weight
+        deeper = type(self)(config).to(device=weight.device, dtype=weight.dtype)
+        missing, unexpected = deeper.load_state_dict(self.state_dict(), strict=False)
+        if unexpected or any(not name.startswith("later_layers.") for name in missing):
+            raise RuntimeError(f"stacked: weights that do not carry over: {missing + unexpected}")
+        for layer in deeper.later_layers[len(self.later_layers):]:
+            layer.zero_residual_branches()
+        if self._target is not None:
+            deeper._target = self._target
+        return deeper

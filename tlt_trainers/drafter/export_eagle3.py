@@ -8,7 +8,7 @@ vocabulary), take the embedding from the target, and store the draft-to-target m
 - vLLM (:func:`export_eagle3_vllm`): the ``speculators`` layout (``speculators_model_type="eagle3"``,
   ``transformer_layer_config``, ``speculators_config`` with the verifier and the number of speculative tokens,
   ``eagle_aux_hidden_state_layer_ids`` in vLLM's numbering, which is ours; the layer as ``layers.0.*``, the only name
-  the speculators library's loader reads). Serve with
+  the speculators library's loader reads, and a deeper drafter's later layers as ``layers.1.*`` and on). Serve with
   ``LLM(policy, speculative_config={"method": "eagle3", "model": out_dir, "num_speculative_tokens": k})`` or
   ``LLM(out_dir)`` (vLLM then serves the verifier the config names with the drafter).
 - SGLang (:func:`export_eagle3_sglang`): the EAGLE-3 reference layout, a Llama config with
@@ -48,9 +48,20 @@ def eagle3_weights(drafter: Eagle3Drafter, dtype: torch.dtype | None = None,
                          "unscaled embedding and run EAGLE-3 for Llama and Qwen3 policies only. Serve this drafter "
                          "with tlt_trainers' own engine.")
     dtype = dtype or drafter.fc.weight.dtype
-    tensors = {name.replace("midlayer.", layer_prefix, 1): t.detach().to(device="cpu", dtype=dtype).contiguous()
+    tensors = {engine_name(name, layer_prefix): t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in drafter.state_dict().items() if name != "d2t"}
     return tensors | draft_vocab_maps(drafter)
+
+
+def engine_name(name: str, layer_prefix: str = "midlayer.") -> str:
+    """An Eagle3Drafter tensor's name in the engines' layouts: the first layer under ``layer_prefix``, a deeper
+    drafter's ``later_layers.i`` as ``layers.{i + 1}`` (vLLM's numbering)."""
+    if name.startswith("midlayer."):
+        return layer_prefix + name[len("midlayer."):]
+    if name.startswith("later_layers."):
+        index, rest = name[len("later_layers."):].split(".", 1)
+        return f"layers.{int(index) + 1}.{rest}"
+    return name
 
 
 def draft_vocab_maps(drafter) -> dict[str, torch.Tensor]:
@@ -69,6 +80,7 @@ def _layer_config(drafter: Eagle3Drafter, architectures: list[str], verifier, ma
                   dtype: torch.dtype) -> dict:
     config = _llama_config(drafter, architectures, _max_positions(verifier, max_positions), dtype)
     config["draft_vocab_size"] = drafter.draft_vocab_size
+    config["num_hidden_layers"] = drafter.config.num_hidden_layers  # vLLM stacks layers.1, ... after the first
     return config
 
 
@@ -151,6 +163,10 @@ def export_eagle3_sglang(
 ) -> Path:
     """Write ``drafter`` in the EAGLE-3 reference layout SGLang loads (``LlamaForCausalLMEagle3``)."""
     c = drafter.config
+    if c.num_hidden_layers != 1:
+        raise ValueError(f"This EAGLE-3 drafter has {c.num_hidden_layers} decoder layers; SGLang's EAGLE-3 model "
+                         "(LlamaForCausalLMEagle3) has one. Serve it with vLLM (export_eagle3_vllm), which stacks "
+                         "them.")
     if c.norm_before_residual:
         raise ValueError("SGLang's EAGLE-3 layer keeps the un-normed feature as its residual; this drafter was "
                          "trained with norm_before_residual=True. Serve it with vLLM (export_eagle3_vllm).")

@@ -25,7 +25,7 @@ import torch
 
 from ..modeling.target import policy_fingerprint
 from .buffer import BufferedSequence
-from .trainer import TARGET_TOP_K, regresses_features
+from .trainer import TARGET_TOP_K, regresses_features, shortest_first, token_rows
 
 
 def _digest(data: bytes) -> str:
@@ -71,12 +71,12 @@ class FeatureCache:
         """Put the features of ``rows`` (whole conversations) into ``trainer``'s buffer: loaded where cached,
         else computed by :meth:`DrafterTrainer.add_token_rows` (``batch_rows``, ``on_batch`` as there) and saved.
         Returns ``{"cached", "computed"}`` (conversations)."""
-        rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in rows]
+        rows = token_rows(rows)
         short = sum(len(r) < 2 for r in rows)
         if short:
             raise ValueError(f"{short} conversations have fewer than two tokens: nothing to learn from; leave them "
                              "out of the data.")
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # add_token_rows' order
+        order = shortest_first(rows)  # add_token_rows' order, so a run samples the same batches either way
         found = {i: self.load(rows[i]) for i in order}
         missing = [i for i in order if found[i] is None]
         buffer = trainer.buffer

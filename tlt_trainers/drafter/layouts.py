@@ -188,6 +188,15 @@ def _check_verifier(config: dict, policy: nn.Module, path: Path) -> None:
 _EAGLE3_FLAGS = ("norm_before_fc", "fc_norm")
 
 
+def _eagle3_name(name: str) -> str:
+    """An engine's EAGLE-3 tensor name as Eagle3Drafter's (the inverse of ``export_eagle3.engine_name``): ``layers.0``
+    is ``midlayer``, ``layers.{i}`` for i >= 1 is ``later_layers.{i - 1}``."""
+    if name.startswith("layers."):
+        index, rest = name[len("layers."):].split(".", 1)
+        return f"midlayer.{rest}" if index == "0" else f"later_layers.{int(index) - 1}.{rest}"
+    return name
+
+
 def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: nn.Module,
             layout: str) -> Eagle3Drafter:
     speculators = layout == "speculators-eagle3"
@@ -200,15 +209,15 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
     if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
         raise ValueError(f"The drafter at {path} reads only the policy's last layer (eagle_config.use_aux_hidden_state="
                          "false); tlt-trainers' EAGLE-3 reads three layers.")
-    tensors = _strip_prefix(tensors)
-    deeper = sorted({name.split(".")[1] for name in tensors if name.startswith("layers.") and
-                     not name.startswith("layers.0.")})
-    if deeper:
-        raise ValueError(f"The EAGLE-3 drafter at {path} has {len(deeper) + 1} decoder layers (layers.{deeper[0]}.* "
-                         "and on); tlt-trainers' Eagle3Drafter has one, as the EAGLE authors', vLLM's and SGLang's "
-                         "default drafters do.")
-    tensors = {name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name: t
-               for name, t in tensors.items()}
+    tensors = {_eagle3_name(name): t for name, t in _strip_prefix(tensors).items()}
+    stacked = sorted({int(name.split(".")[1]) for name in tensors if name.startswith("later_layers.")})
+    if stacked != list(range(len(stacked))):
+        raise ValueError(f"The EAGLE-3 drafter at {path} has decoder layers {[0] + [i + 1 for i in stacked]}: "
+                         "layers.1.* and on must follow layers.0 without a gap.")
+    num_layers = int(layer.get("num_hidden_layers") or 1)
+    if num_layers != 1 + len(stacked):
+        raise ValueError(f"The EAGLE-3 drafter at {path} says num_hidden_layers={num_layers} but holds the weights "
+                         f"of {1 + len(stacked)} decoder layers.")
     hidden = int(_field(layer, "hidden_size", path))
     target_hidden = config.get("target_hidden_size") or layer.get("target_hidden_size")
     if target_hidden and int(target_hidden) != hidden:
@@ -285,7 +294,7 @@ def _eagle3(path: Path, config: dict, tensors: dict[str, torch.Tensor], policy: 
         rope_scaling=_rope_scaling(layer), final_logit_softcapping=softcap, logit_scale=scale,
         target_model_type=getattr(text_config(policy), "model_type", None),
         target_name_or_path=getattr(text_config(policy), "_name_or_path", None) or None,
-        architecture="Eagle3Drafter", aux_layer_ids=aux,
+        architecture="Eagle3Drafter", aux_layer_ids=aux, num_hidden_layers=num_layers,
         # speculators configs: absent means True, as vLLM reads them; the EAGLE authors' layer keeps the un-normed
         # residual (cnets.py), as vLLM and SGLang read plain configs.
         norm_before_residual=bool(config.get("norm_before_residual", speculators)),

@@ -141,14 +141,16 @@ def write_model_card(
         reads = (f"{policy_text}: the drafter reads a fusion of this policy's hidden states entering layers "
                  f"{list(c.aux_layer_ids)} and takes its embedding (not stored here); it scores tokens with its own "
                  "head.")
-        layout = ("EAGLE-3: `fc` fuses three policy layers, one Llama decoder layer over [embedding; feature], "
-                  "its own norm and LM head over the draft vocabulary")
+        later = (f", then {c.num_hidden_layers - 1} plain Llama decoder layer(s)" if c.num_hidden_layers > 1
+                 else "")
+        layout = ("EAGLE-3: `fc` fuses three policy layers, one Llama decoder layer over [embedding; feature]"
+                  f"{later}, its own norm and LM head over the draft vocabulary")
     else:
         title, paper = "EAGLE", "https://arxiv.org/abs/2401.15077"
         reads = (f"{policy_text}: the drafter reads this policy's final hidden states and scores through its "
                  "embedding and LM head (neither is stored here).")
         layout = "EAGLE-1: `fc`(embedding, hidden state), one Llama decoder layer without its input norm"
-    size = f"{c.num_hidden_layers}-layer" if block else "one-layer"
+    size = "one-layer" if c.num_hidden_layers == 1 else f"{c.num_hidden_layers}-layer"
     out = [
         f"# {title} drafter for {policy or 'its policy'}",
         "",

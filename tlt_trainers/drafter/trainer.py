@@ -86,6 +86,17 @@ def estimated_acceptance_length(agreement_by_step: list[float], chain_length: in
 
 
 @torch.no_grad()
+def token_rows(rows: Sequence[torch.Tensor | Sequence[int]]) -> list[torch.Tensor]:
+    """Conversations given as token-id lists or tensors, as 1-D long tensors."""
+    return [torch.as_tensor(r, dtype=torch.long).flatten() for r in rows]
+
+
+def shortest_first(rows: Sequence[torch.Tensor]) -> list[int]:
+    """The order :meth:`DrafterTrainer.add_token_rows` adds rows in (shortest first, ties as given): a feature cache
+    that fills the buffer itself keeps to it, so a run samples the same batches from cached and fresh features."""
+    return sorted(range(len(rows)), key=lambda i: len(rows[i]))
+
+
 def policy_targets(target: TargetModel, final: torch.Tensor, k: int = TARGET_TOP_K,
                    chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's top-``k`` next-token law from its final hidden states [L, H]: ids (int32) and probabilities
@@ -228,8 +239,8 @@ class DrafterTrainer:
         ``batch_rows`` at a time, shortest first (``sort_by_length``) so that batches are mostly real tokens.
         ``on_batch(done, total)`` runs after each batch (progress, or what the caller does to the new features).
         Returns how many rows entered the buffer."""
-        rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in rows]
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i])) if sort_by_length else list(range(len(rows)))
+        rows = token_rows(rows)
+        order = shortest_first(rows) if sort_by_length else list(range(len(rows)))
         added = 0
         for first in range(0, len(order), batch_rows):
             chunk = [rows[i] for i in order[first : first + batch_rows]]

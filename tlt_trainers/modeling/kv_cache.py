@@ -270,3 +270,36 @@ def tree_attention_allowed(state: RowState, closure: torch.Tensor, positions: to
         diagonal = torch.zeros_like(allowed).scatter_(2, tree_slots[:, :, None], True)
         allowed = (allowed & near) | diagonal
     return allowed
+
+
+class LayeredKV:
+    """A drafter's per-row cache with several decoder layers (block drafters, deeper EAGLE-3): one :class:`RowKV`
+    per layer, reset, dropped and moved together."""
+
+    def __init__(self, capacity: int, num_layers: int):
+        self.capacity = capacity
+        self.layers = [RowKV(capacity) for _ in range(num_layers)]
+
+    @property
+    def reserve_rows(self) -> int:
+        return self.layers[0].reserve_rows if self.layers else 0
+
+    @reserve_rows.setter
+    def reserve_rows(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.reserve_rows = rows
+
+    def reset(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.reset(rows)
+
+    def compact(self, holes: torch.Tensor, movers: torch.Tensor, n: int) -> None:
+        for layer in self.layers:
+            layer.compact(holes, movers, n)
+
+    def move(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.move(source, dest)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

@@ -162,7 +162,8 @@ class Rollout:
             draft_kv.reserve_rows = reserved  # padded graph steps write the drafter's keys of dead rows too
             if self.session is not None:  # kept for the step graphs of later calls
                 kept = self.session.draft_kv
-                if type(kept) is type(draft_kv) and kept.capacity == draft_kv.capacity:
+                if (type(kept) is type(draft_kv) and kept.capacity == draft_kv.capacity
+                        and len(getattr(kept, "layers", ())) == len(getattr(draft_kv, "layers", ()))):
                     kept.reset(batch)
                     draft_kv = kept
                 self.session.draft_kv = draft_kv

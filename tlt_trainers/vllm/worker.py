@@ -49,7 +49,21 @@ def expected_drafter_shapes(hf_config, method: str = "eagle") -> dict[str, tuple
         layers = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or [0, 0, 0]
         draft_vocab = int(getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size)
         layer = "midlayer."
-        return {
+        later = {}  # a deeper drafter's plain decoder layers (vLLM's layers.1, ...): q/k/v over the previous layer
+        for i in range(1, int(getattr(hf_config, "num_hidden_layers", 1) or 1)):
+            name = f"layers.{i}."
+            later |= {
+                name + "input_layernorm.weight": (h,),
+                name + "self_attn.q_proj.weight": (heads * head_dim, h),
+                name + "self_attn.k_proj.weight": (kv * head_dim, h),
+                name + "self_attn.v_proj.weight": (kv * head_dim, h),
+                name + "self_attn.o_proj.weight": (h, heads * head_dim),
+                name + "post_attention_layernorm.weight": (h,),
+                name + "mlp.gate_proj.weight": (inter, h),
+                name + "mlp.up_proj.weight": (inter, h),
+                name + "mlp.down_proj.weight": (h, inter),
+            }
+        return later | {
             "fc.weight": (h, len(layers) * int(getattr(hf_config, "target_hidden_size", None) or h)),
             layer + "input_layernorm.weight": (h,),
             layer + "hidden_norm.weight": (h,),
