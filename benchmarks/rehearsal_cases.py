@@ -22,6 +22,7 @@ KINDS = {
     "eagle1": ("chain:4", "chain:4"),
     "eagle1+draft-vocab": ("chain:4", "chain:4"),
     "eagle3": ("chain:4", "chain:4"),
+    "eagle3-2-layers": ("chain:4", "chain:4"),  # a KV cache per decoder layer (LayeredKV)
     "tree": ("tree:4x2:8", "tree:4x2:8"),
     "block": ("block:3", "block:3"),
     "history": ("history:8", "history:8"),
@@ -68,6 +69,8 @@ def _drafter(kind: str, model):
         return drafter
     if kind in ("eagle3", "tree"):
         return Eagle3Drafter.from_target(model)
+    if kind == "eagle3-2-layers":
+        return Eagle3Drafter.from_target(model, num_hidden_layers=2)
     if kind == "block":
         return BlockDrafter.from_target(model, block_size=4)
     return None

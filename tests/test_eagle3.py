@@ -11,7 +11,7 @@ from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, EagleDrafter, S
 from tlt_trainers.drafter.eagle3 import default_aux_layers
 from tlt_trainers.drafter.losses import chunked_soft_cross_entropy
 from tlt_trainers.modeling.features import capture_features
-from tlt_trainers.modeling.kv_cache import LayeredKV
+from tlt_trainers.modeling.kv_cache import LayeredKV, RowKV
 
 LAYERS = [1, 3, 5]
 
@@ -349,9 +349,10 @@ def test_a_two_layer_drafter_unrolls_what_it_drafts_with_a_cache_per_layer(model
     kv = drafter.new_kv(8)
     assert isinstance(kv, LayeredKV) and len(kv.layers) == 2
     assert_unrolled_matches_chained(drafter, feature_width=96)
-    with pytest.raises(ValueError, match="make it with drafter.new_kv"):
-        drafter(torch.randn(1, 2, 96), torch.tensor([[4, 5]]), torch.arange(2)[None], None, LayeredKV(8, 3),
-                torch.arange(2)[None], 2)
+    for wrong in (LayeredKV(8, 3), RowKV(8)):  # a single RowKV would be shared by both layers
+        with pytest.raises(ValueError, match="make it with drafter.new_kv"):
+            drafter(torch.randn(1, 2, 96), torch.tensor([[4, 5]]), torch.arange(2)[None], None, wrong,
+                    torch.arange(2)[None], 2)
 
 
 def test_a_stacked_layer_starts_as_a_pass_through_and_training_grows_it(model, trained, two_layers):

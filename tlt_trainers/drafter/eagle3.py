@@ -237,10 +237,11 @@ class Eagle3Drafter(FusedLayers, OwnHead, AutoregressiveDrafter):
             q = feature.shape[1]
             mask = torch.full((q, q), torch.finfo(feature.dtype).min, device=feature.device,
                               dtype=feature.dtype).triu(1)
-        caches = [kv] * (1 + len(self.later_layers)) if not isinstance(kv, LayeredKV) else kv.layers
-        if len(caches) != 1 + len(self.later_layers):
-            raise ValueError(f"A KV cache of {len(caches)} layers for a drafter of {1 + len(self.later_layers)}: "
-                             "make it with drafter.new_kv(capacity).")
+        layers = 1 + len(self.later_layers)
+        caches = kv.layers if isinstance(kv, LayeredKV) else [kv] * (1 if kv is not None else layers)
+        if len(caches) != layers:  # one cache shared by several layers would mix their keys
+            raise ValueError(f"A KV cache of {len(caches)} layer(s) for a drafter of {layers}: make it with "
+                             "drafter.new_kv(capacity).")
         attentions = self.attentions
         return self.layers_forward(embedded, feature, lambda x, index: attentions[index](
             x, positions, mask, caches[index], slots, kv_len))
