@@ -174,6 +174,10 @@ def train(args) -> None:
         print(f"from {args.init} ({previous['train_seconds'] / 60:.1f} min trained)", flush=True)
     else:
         drafter.set_draft_vocab(counts.most_frequent(drafter.draft_vocab_size, drafter.config.vocab_size))
+    # what the --init drafter was trained on, kept through --resume (the card says it; the command reproduces it)
+    init_from = previous.get("init_from") if args.resume else (
+        {k: previous[k] for k in ("answers", "answer_tokens", "train_seconds", "tokens_trained", "command",
+                                  "init_from") if k in previous} if args.init else None)
     start = time.perf_counter()
     autocast = native_bf16(device)  # bfloat16 where native: 2x faster, features within bf16 rounding
 
@@ -222,7 +226,7 @@ def train(args) -> None:
                 "unroll_steps": args.unroll_steps, "micro_batch_size": args.micro_batch_size,
                 "draft_vocab": drafter.draft_vocab_size if drafter.config.uses_draft_vocab else None,
                 "feature_noise": args.feature_noise, "tv_weight": args.tv_weight,
-                "init": args.init, "history": history,
+                "init": args.init, "init_from": init_from, "history": history,
                 "command": "{} && python scripts/train_shipped_drafter.py train --architecture {}{} --minutes "
                            "{:g}".format(data["command"], args.architecture,
                                          recipe_flags(args) + (f" --data {args.data}" if args.data else ""),
@@ -281,19 +285,40 @@ def where_it_pays(measurements: list[dict]) -> str:
             + "; ".join(parts) + ".")
 
 
-def write_card(drafter, info: dict, out: str | Path, results_paths=CARD_RESULTS) -> Path:
+def training_data(info: dict) -> str:
+    """What a drafter was trained on, in words, from its training.json (and what its --init drafter was)."""
+    def one(record: dict) -> str:
+        if "--data " in record["command"]:
+            return (f"{record['answers']} answers of the policy ({record['answer_tokens']} answer tokens) to a broad "
+                    "prompt mix (reasoning-gym tasks but ten held-out families, instructions, multi-turn and long "
+                    "chat, code; data/smollm2-135m-instruct-answers), temperatures 0.6/0.8/1.0 and greedy")
+        return (f"{record['answers']} answers of the policy ({record['answer_tokens']} answer tokens) to "
+                "reasoning-gym questions (20 tasks) and chat requests, temperatures 0.6/0.8/1.0 and greedy")
+
+    text, earlier = one(info), info.get("init_from")
+    while earlier:
+        text += f"; continued from a drafter trained {earlier['train_seconds'] / 60:.0f} min on {one(earlier)}"
+        earlier = earlier.get("init_from")
+    return text
+
+
+def reproduce_commands(info: dict) -> list[str]:
+    """The commands that made a drafter, first to last (an --init drafter's own first)."""
+    earlier = info.get("init_from")
+    return (reproduce_commands(earlier) if earlier else []) + [info["command"]]
+
+
+def write_card(drafter, info: dict, out: str | Path, results_paths=CARD_RESULTS, row_name: str | None = None) -> Path:
     """The shipped folder's README.md: its acceptance on each machine of ``results_paths``
-    (:func:`card_measurement`)."""
+    (:func:`card_measurement`; ``row_name``: the result rows to read, default the shipped drafter's)."""
     from tlt_trainers.drafter.model_card import write_model_card
 
     block = drafter.drafts_blocks
-    measurements = [card_measurement(p, BLOCK_ROW if block else SHIPPED_ROW) for p in results_paths]
-    training = {"data": f"{info['answers']} answers of the policy ({info['answer_tokens']} answer tokens) to "
-                        "reasoning-gym questions (20 tasks) and chat requests, temperatures 0.6/0.8/1.0 and greedy",
-                "steps": info["steps"], "tokens trained": info["tokens_trained"],
+    measurements = [card_measurement(p, row_name or (BLOCK_ROW if block else SHIPPED_ROW)) for p in results_paths]
+    training = {"data": training_data(info), "steps": info["steps"], "tokens trained": info["tokens_trained"],
                 "minutes": round(info["train_seconds"] / 60, 1),
                 **({} if block else {"unroll (training-time test)": info["unroll_steps"]}),
-                "reproduce": f"`{info['command']}`"}
+                "reproduce": " then ".join(f"`{command}`" for command in reproduce_commands(info))}
     return write_model_card(drafter, out, policy_name=POLICY, num_speculative_tokens=drafter.max_drafts if block else 4,
                             training=training, license="apache-2.0", acceptance_source=where_it_pays(measurements),
                             measurements=measurements)
@@ -330,7 +355,7 @@ def card(args) -> None:
 
     drafter = Drafter.from_pretrained(args.out)
     path = write_card(drafter, json.loads(Path(args.out, "training.json").read_text()), args.out,
-                      [Path(p) for p in args.results])
+                      [Path(p) for p in args.results], args.row)
     print(f"wrote {path}")
 
 
@@ -384,6 +409,8 @@ def main() -> None:
     p.add_argument("--out", default=str(SHIPPED))
     p.add_argument("--results", nargs="+", default=[str(p) for p in CARD_RESULTS],
                    help="bench_drafters result files (benchmarks/results/*.json), one table per file")
+    p.add_argument("--row", default=None, help="the result rows measuring this drafter (default: 'eagle3 shipped' "
+                   "or 'block shipped'; 'eagle3 trained' for bench_drafters.py --eagle3-drafter)")
     args = parser.parse_args()
     {"sample": sample, "train": train, "finish": finish_saved, "card": card}[args.command](args)
 
