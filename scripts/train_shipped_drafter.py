@@ -242,9 +242,16 @@ def train(args) -> None:
 RESULTS = ROOT / "benchmarks" / "results"
 # The newest measurement of the shipped drafters on each machine they were measured on (same command, same held-out
 # prompts): the speed-up is the machine's, and its sign differs between these two CPUs
-CARD_RESULTS = (RESULTS / "bench_drafters_issue45.json", RESULTS / "bench_drafters_block.json")
 SHIPPED_ROW = "eagle3 shipped"
 BLOCK_ROW = "block shipped"
+# Each shipped drafter's card: (result file, the rows that measured it) per table. The EAGLE-3 drafter's are the
+# measurement that made it the shipped one (as "eagle3 trained", beside the drafter it replaced), on held-out
+# families and on held-out seeds; the block drafter's the newest on each machine it was measured on.
+CARD_RESULTS = {
+    "eagle3": ((RESULTS / "bench_drafters_eagle3_600k_families.json", "eagle3 trained"),
+               (RESULTS / "bench_drafters_eagle3_600k_seeds.json", "eagle3 trained")),
+    "block": ((RESULTS / "bench_drafters_issue45.json", BLOCK_ROW), (RESULTS / "bench_drafters_block.json", BLOCK_ROW)),
+}
 
 
 def card_measurement(results_path: Path, row_name: str = SHIPPED_ROW) -> dict:
@@ -264,7 +271,10 @@ def card_measurement(results_path: Path, row_name: str = SHIPPED_ROW) -> dict:
     machine = results["machine"]
     path = Path(results_path).resolve()
     rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    return {"machine": f"{machine['cpu']}, {machine['cpus']} CPUs", "results": str(rel),
+    prompt_set = results["args"].get("prompt_set")  # files older than --prompt-set held out by seed
+    held_out = {"seeds": ", prompts held out by seed", "families": ", prompts of held-out task families"}.get(
+        prompt_set, "")
+    return {"machine": f"{machine['cpu']}, {machine['cpus']} CPUs{held_out}", "results": str(rel),
             "source": f"Measured by `{results['command']}` on held-out prompts, {machine['date']}.",
             "acceptance": rows, "speedups": speedups}
 
@@ -297,7 +307,7 @@ def training_data(info: dict) -> str:
 
     text, earlier = one(info), info.get("init_from")
     while earlier:
-        text += f"; continued from a drafter trained {earlier['train_seconds'] / 60:.0f} min on {one(earlier)}"
+        text += f"; continued from a drafter trained on {one(earlier)}"
         earlier = earlier.get("init_from")
     return text
 
@@ -308,13 +318,18 @@ def reproduce_commands(info: dict) -> list[str]:
     return (reproduce_commands(earlier) if earlier else []) + [info["command"]]
 
 
-def write_card(drafter, info: dict, out: str | Path, results_paths=CARD_RESULTS, row_name: str | None = None) -> Path:
-    """The shipped folder's README.md: its acceptance on each machine of ``results_paths``
-    (:func:`card_measurement`; ``row_name``: the result rows to read, default the shipped drafter's)."""
+def write_card(drafter, info: dict, out: str | Path, results_paths=None, row_name: str | None = None) -> Path:
+    """The shipped folder's README.md: its acceptance in each of ``results_paths`` (:func:`card_measurement`;
+    ``row_name``: the result rows to read, default the shipped drafter's). Without ``results_paths``, the files and
+    rows of ``CARD_RESULTS`` for the drafter's kind."""
     from tlt_trainers.drafter.model_card import write_model_card
 
     block = drafter.drafts_blocks
-    measurements = [card_measurement(p, row_name or (BLOCK_ROW if block else SHIPPED_ROW)) for p in results_paths]
+    if results_paths is None:
+        sources = CARD_RESULTS["block" if block else "eagle3"]
+    else:
+        sources = [(path, row_name or (BLOCK_ROW if block else SHIPPED_ROW)) for path in results_paths]
+    measurements = [card_measurement(path, row) for path, row in sources]
     training = {"data": training_data(info), "steps": info["steps"], "tokens trained": info["tokens_trained"],
                 "minutes": round(info["train_seconds"] / 60, 1),
                 **({} if block else {"unroll (training-time test)": info["unroll_steps"]}),
@@ -355,7 +370,7 @@ def card(args) -> None:
 
     drafter = Drafter.from_pretrained(args.out)
     path = write_card(drafter, json.loads(Path(args.out, "training.json").read_text()), args.out,
-                      [Path(p) for p in args.results], args.row)
+                      [Path(p) for p in args.results] if args.results else None, args.row)
     print(f"wrote {path}")
 
 
@@ -407,8 +422,9 @@ def main() -> None:
     p.add_argument("--out", default=str(SHIPPED))
     p = sub.add_parser("card", help="write the model card from bench_drafters result files, one per machine")
     p.add_argument("--out", default=str(SHIPPED))
-    p.add_argument("--results", nargs="+", default=[str(p) for p in CARD_RESULTS],
-                   help="bench_drafters result files (benchmarks/results/*.json), one table per file")
+    p.add_argument("--results", nargs="+", default=None,
+                   help="bench_drafters result files (benchmarks/results/*.json), one table per file (default: "
+                        "CARD_RESULTS, the files and rows that measured the shipped drafter of --out's kind)")
     p.add_argument("--row", default=None, help="the result rows measuring this drafter (default: 'eagle3 shipped' "
                    "or 'block shipped'; 'eagle3 trained' for bench_drafters.py --eagle3-drafter)")
     args = parser.parse_args()
