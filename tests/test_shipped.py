@@ -81,15 +81,30 @@ def test_the_architecture_the_user_set_picks_the_shipped_drafter(shelf, tmp_path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-CARDS = {"smollm2-135m-instruct-eagle3": "eagle3 shipped", "smollm2-135m-instruct-block": "block shipped"}
+CARDS = {"smollm2-135m-instruct-eagle3": "eagle3 trained", "smollm2-135m-instruct-block": "block shipped"}
 TABLE_ROW = re.compile(r"^\| (greedy|temperature 1), chain of (\d+), batch (\d+) \| ([\d.]+) \| ([\d.]+) \|$", re.M)
+HELD_OUT = {"seeds": ", prompts held out by seed", "families": ", prompts of held-out task families", None: ""}
+# Each card's machines in order, and what it says in words about where the drafter pays (from the speed-ups' signs)
+CARD_MACHINES = {
+    "smollm2-135m-instruct-eagle3": (
+        ["AMD EPYC (AVX2)", "AMD EPYC (AVX2)"],
+        "on AMD EPYC (AVX2), 2 CPUs, prompts of held-out task families it is faster at batch 1 (greedy, temperature "
+        "1), slower at batch 4 (greedy, temperature 1); on AMD EPYC (AVX2), 2 CPUs, prompts held out by seed it is "
+        "faster at batch 1 (greedy, temperature 1), slower at batch 4 (greedy, temperature 1)"),
+    "smollm2-135m-instruct-block": (
+        ["AMD EPYC (AVX2, AVX-512)", "Intel(R) Xeon(R) Processor (AVX2, AVX-512)"],
+        "on AMD EPYC (AVX2, AVX-512), 2 CPUs it is faster at batch 1 (greedy, temperature 1), slower at batch 4 "
+        "(greedy, temperature 1); on Intel(R) Xeon(R) Processor (AVX2, AVX-512), 2 CPUs it is faster at batch 4 "
+        "(greedy, temperature 1), slower at batch 1 (greedy, temperature 1)"),
+}
 
 
 @pytest.mark.parametrize("folder", sorted(CARDS))
 def test_model_card_figures_are_those_of_the_results_files_it_names(folder):
     """Read from the card's text and compared with the JSON and training.json directly (not with the code that wrote
-    the card): per machine, a heading with the CPU the result file records, the file and its command, and a table
-    whose every figure is that file's; the training facts are the drafter's training.json."""
+    the card): per result file, a heading with the CPU it records (and the prompt set, where it records one), the file
+    and its command, and a table whose every figure is that file's rows of this drafter; the training facts are the
+    drafter's training.json."""
     card = (ROOT / "tlt_trainers" / "shipped" / folder / "README.md").read_text()
     measured = card.split("## Measured acceptance")[1].split("## Use it")[0]
     cpus = []
@@ -98,7 +113,8 @@ def test_model_card_figures_are_those_of_the_results_files_it_names(folder):
         machine_named, name = re.fullmatch(r"(.+) \(`(benchmarks/results/\w+\.json)`\)", heading).groups()
         results = json.loads((ROOT / name).read_text())
         machine = results["machine"]
-        assert machine_named == f"{machine['cpu']}, {machine['cpus']} CPUs"
+        held_out = HELD_OUT[results["args"].get("prompt_set")]
+        assert machine_named == f"{machine['cpu']}, {machine['cpus']} CPUs{held_out}"
         assert f"`{results['command']}`" in body and machine["date"] in body
         rows = {(r["temperature"], r["batch"]): r for r in results["rows"] if r["drafter"] == CARDS[folder]}
         table = TABLE_ROW.findall(body)
@@ -109,16 +125,16 @@ def test_model_card_figures_are_those_of_the_results_files_it_names(folder):
             assert float(acceptance) == pytest.approx(row["acceptance_length"], abs=5e-4)
             assert float(speedup) == pytest.approx(row["speedup"], rel=5e-4)
         cpus.append(machine["cpu"])
-    assert cpus == ["AMD EPYC (AVX2, AVX-512)", "Intel(R) Xeon(R) Processor (AVX2, AVX-512)"]
-    # the sign of the speed-up is the machine's, and the card says so in words
-    assert ("on AMD EPYC (AVX2, AVX-512), 2 CPUs it is faster at batch 1 (greedy, temperature 1), slower at batch 4 "
-            "(greedy, temperature 1); on Intel(R) Xeon(R) Processor (AVX2, AVX-512), 2 CPUs it is faster at batch 4 "
-            "(greedy, temperature 1), slower at batch 1 (greedy, temperature 1)") in measured
+    expected_cpus, words = CARD_MACHINES[folder]
+    assert cpus == expected_cpus
+    assert words in measured  # the sign of the speed-up is the machine's, and the card says so in words
     training = json.loads((ROOT / "tlt_trainers" / "shipped" / folder / "training.json").read_text())
     assert f"\n- steps: {training['steps']}\n" in card
     assert f"\n- tokens trained: {training['tokens_trained']}\n" in card
     assert f"\n- minutes: {round(training['train_seconds'] / 60, 1):g}\n" in card
-    assert f"\n- reproduce: `{training['command']}`\n" in card
+    earlier = training.get("init_from")  # a drafter continued from another: both commands, the earlier first
+    commands = ([earlier["command"]] if earlier else []) + [training["command"]]
+    assert "\n- reproduce: " + " then ".join(f"`{c}`" for c in commands) + "\n" in card
 
 
 @pytest.mark.parametrize("folder", sorted(CARDS))
