@@ -48,48 +48,32 @@ def expected_drafter_shapes(hf_config, method: str = "eagle") -> dict[str, tuple
     if method == "eagle3":
         layers = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or [0, 0, 0]
         draft_vocab = int(getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size)
-        layer = "midlayer."
-        later = {}  # a deeper drafter's plain decoder layers (vLLM's layers.1, ...): q/k/v over the previous layer
-        for i in range(1, int(getattr(hf_config, "num_hidden_layers", 1) or 1)):
-            name = f"layers.{i}."
-            later |= {
-                name + "input_layernorm.weight": (h,),
-                name + "self_attn.q_proj.weight": (heads * head_dim, h),
-                name + "self_attn.k_proj.weight": (kv * head_dim, h),
-                name + "self_attn.v_proj.weight": (kv * head_dim, h),
-                name + "self_attn.o_proj.weight": (h, heads * head_dim),
-                name + "post_attention_layernorm.weight": (h,),
-                name + "mlp.gate_proj.weight": (inter, h),
-                name + "mlp.up_proj.weight": (inter, h),
-                name + "mlp.down_proj.weight": (h, inter),
-            }
-        return later | {
-            "fc.weight": (h, len(layers) * int(getattr(hf_config, "target_hidden_size", None) or h)),
-            layer + "input_layernorm.weight": (h,),
-            layer + "hidden_norm.weight": (h,),
-            layer + "self_attn.q_proj.weight": (heads * head_dim, 2 * h),
-            layer + "self_attn.k_proj.weight": (kv * head_dim, 2 * h),
-            layer + "self_attn.v_proj.weight": (kv * head_dim, 2 * h),
-            layer + "self_attn.o_proj.weight": (h, heads * head_dim),
-            layer + "post_attention_layernorm.weight": (h,),
-            layer + "mlp.gate_proj.weight": (inter, h),
-            layer + "mlp.up_proj.weight": (inter, h),
-            layer + "mlp.down_proj.weight": (h, inter),
-            "norm.weight": (h,),
-            "lm_head.weight": (draft_vocab, h),
-        } | ({"d2t": (draft_vocab,), "t2d": (int(hf_config.vocab_size),)}
-             if draft_vocab != int(hf_config.vocab_size) else {})
-    layer = "layers.0."
-    return {
-        "fc.weight": (h, 2 * h),
-        layer + "self_attn.q_proj.weight": (heads * head_dim, h),
-        layer + "self_attn.k_proj.weight": (kv * head_dim, h),
-        layer + "self_attn.v_proj.weight": (kv * head_dim, h),
-        layer + "self_attn.o_proj.weight": (h, heads * head_dim),
-        layer + "post_attention_layernorm.weight": (h,),
-        layer + "mlp.gate_proj.weight": (inter, h),
-        layer + "mlp.up_proj.weight": (inter, h),
-        layer + "mlp.down_proj.weight": (h, inter),
+        shapes = {"fc.weight": (h, len(layers) * int(getattr(hf_config, "target_hidden_size", None) or h)),
+                  "midlayer.hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+        shapes |= _layer_shapes("midlayer.", h, heads, kv, head_dim, inter, qkv_input=2 * h)  # [embed; feature]
+        for i in range(1, int(getattr(hf_config, "num_hidden_layers", 1) or 1)):  # a deeper drafter's later layers
+            shapes |= _layer_shapes(f"layers.{i}.", h, heads, kv, head_dim, inter)
+        if draft_vocab != int(hf_config.vocab_size):
+            shapes |= {"d2t": (draft_vocab,), "t2d": (int(hf_config.vocab_size),)}
+        return shapes
+    # EAGLE-1: the first layer has no input norm in vLLM's EagleLlamaForCausalLM
+    return {"fc.weight": (h, 2 * h)} | _layer_shapes("layers.0.", h, heads, kv, head_dim, inter, input_norm=False)
+
+
+def _layer_shapes(prefix: str, h: int, heads: int, kv: int, head_dim: int, inter: int, qkv_input: int | None = None,
+                  input_norm: bool = True) -> dict[str, tuple[int, ...]]:
+    """One Llama-style decoder layer's tensors under ``prefix``: q/k/v over ``qkv_input`` (default ``h``), o, the
+    norms and the gated MLP."""
+    x = qkv_input or h
+    return ({prefix + "input_layernorm.weight": (h,)} if input_norm else {}) | {
+        prefix + "self_attn.q_proj.weight": (heads * head_dim, x),
+        prefix + "self_attn.k_proj.weight": (kv * head_dim, x),
+        prefix + "self_attn.v_proj.weight": (kv * head_dim, x),
+        prefix + "self_attn.o_proj.weight": (h, heads * head_dim),
+        prefix + "post_attention_layernorm.weight": (h,),
+        prefix + "mlp.gate_proj.weight": (inter, h),
+        prefix + "mlp.up_proj.weight": (inter, h),
+        prefix + "mlp.down_proj.weight": (h, inter),
     }
 
 
@@ -103,20 +87,9 @@ def _dflash_shapes(hf_config, h: int, heads: int, kv: int, head_dim: int, inter:
     shapes = {"fc.weight": (h, aux * int(getattr(hf_config, "target_hidden_size", None) or h)),
               "hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
     for i in range(int(hf_config.num_hidden_layers)):
-        layer = f"layers.{i}."
-        shapes |= {
-            layer + "input_layernorm.weight": (h,),
-            layer + "self_attn.q_proj.weight": (heads * head_dim, h),
-            layer + "self_attn.k_proj.weight": (kv * head_dim, h),
-            layer + "self_attn.v_proj.weight": (kv * head_dim, h),
-            layer + "self_attn.o_proj.weight": (h, heads * head_dim),
-            layer + "self_attn.q_norm.weight": (head_dim,),
-            layer + "self_attn.k_norm.weight": (head_dim,),
-            layer + "post_attention_layernorm.weight": (h,),
-            layer + "mlp.gate_proj.weight": (inter, h),
-            layer + "mlp.up_proj.weight": (inter, h),
-            layer + "mlp.down_proj.weight": (h, inter),
-        }
+        layer = f"layers.{i}."  # Qwen3 layers: q/k norms beside the Llama tensors
+        shapes |= _layer_shapes(layer, h, heads, kv, head_dim, inter) | {
+            layer + "self_attn.q_norm.weight": (head_dim,), layer + "self_attn.k_norm.weight": (head_dim,)}
     if draft_vocab != int(hf_config.vocab_size):
         shapes |= {"d2t": (draft_vocab,), "t2d": (int(hf_config.vocab_size),)}
     return shapes
