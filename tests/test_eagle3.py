@@ -330,6 +330,36 @@ def test_a_feature_pass_killed_midway_keeps_its_finished_batches(model, tmp_path
         cache.fill(resumed, [torch.tensor([5])])
 
 
+def test_a_bfloat16_buffer_holds_the_features_in_half_the_memory_and_the_cache_stays_float32(model, tmp_path):
+    from tlt_trainers.drafter.buffer import FeatureBuffer
+    from tlt_trainers.drafter.feature_cache import FeatureCache
+
+    rows = [torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 13, 6, 11)]
+    drafter = Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS)
+
+    def trainer(dtype):
+        made = DrafterTrainer(drafter, model, seed=0)
+        made.buffer = FeatureBuffer(made.buffer.max_bytes, made.buffer.max_tokens, feature_dtype=dtype)
+        return made
+
+    half = trainer(torch.bfloat16)  # computes the features: the cache still gets the policy's float32 ones
+    cache = FeatureCache.for_trainer(tmp_path, half)
+    assert cache.fill(half, rows, batch_rows=2) == {"cached": 0, "computed": 5}
+    assert torch.load(cache.path(rows[0]))["features"].dtype == torch.float32
+    full = trainer(None)
+    assert cache.fill(full, rows, batch_rows=2) == {"cached": 5, "computed": 0}
+    for ours, theirs in zip(half.buffer.sequences, full.buffer.sequences, strict=True):
+        assert ours.features.dtype == torch.bfloat16 and theirs.features.dtype == torch.float32
+        assert torch.equal(ours.features, theirs.features.to(torch.bfloat16))
+    feature_bytes = [sum(s.features.numel() * s.features.element_size() for s in t.buffer.sequences)
+                     for t in (half, full)]
+    assert feature_bytes[0] * 2 == feature_bytes[1] and half.buffer.nbytes < full.buffer.nbytes
+    # training batches are cast back to the policy's dtype: the loss moves by bfloat16 rounding only
+    assert half.evaluate()["loss"] == pytest.approx(full.evaluate()["loss"], rel=2e-2)
+    with pytest.raises(ValueError, match="floating dtype"):
+        FeatureBuffer(feature_dtype=torch.int8)
+
+
 # ------------------------------------------------------------------------------------------------ two layers
 @pytest.fixture(scope="module")
 def two_layers(model, trained):

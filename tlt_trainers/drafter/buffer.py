@@ -31,12 +31,21 @@ class BufferedSequence:
 
 
 class FeatureBuffer:
-    """FIFO of :class:`BufferedSequence` bounded by ``max_bytes``; windows longer than ``max_tokens`` are cut."""
+    """FIFO of :class:`BufferedSequence` bounded by ``max_bytes``; windows longer than ``max_tokens`` are cut.
 
-    def __init__(self, max_bytes: int = 512 << 20, max_tokens: int = 2048, device: str | torch.device | None = None):
+    ``feature_dtype`` keeps the features in that dtype (``torch.bfloat16`` halves a float32 policy's features, so
+    twice the data fits in memory; training batches are cast back to the policy's dtype); None keeps them as given.
+    """
+
+    def __init__(self, max_bytes: int = 512 << 20, max_tokens: int = 2048, device: str | torch.device | None = None,
+                 feature_dtype: torch.dtype | None = None):
         if max_bytes <= 0 or max_tokens < 2:
             raise ValueError("FeatureBuffer needs max_bytes > 0 and max_tokens >= 2.")
+        if feature_dtype is not None and not feature_dtype.is_floating_point:
+            raise ValueError(f"FeatureBuffer's feature_dtype must be a floating dtype (torch.bfloat16, "
+                             f"torch.float32); got {feature_dtype}.")
         self.max_bytes, self.max_tokens, self.device = max_bytes, max_tokens, device
+        self.feature_dtype = feature_dtype
         self.sequences: deque[BufferedSequence] = deque()
         self.nbytes = 0
         self.token_counts: torch.Tensor | None = None
@@ -78,11 +87,11 @@ class FeatureBuffer:
         start = max(0, features.shape[0] - self.max_tokens)  # keep the most recent window of each sequence
         device = self.device if self.device is not None else features.device
 
-        def keep(t):
-            return None if t is None else t[start:].detach().to(device)
+        def keep(t, dtype=None):
+            return None if t is None else t[start:].detach().to(device=device, dtype=dtype)
 
         ids, probs = targets if targets is not None else (None, None)
-        item = BufferedSequence(keep(tokens), keep(features), keep(ids), keep(probs))
+        item = BufferedSequence(keep(tokens), keep(features, self.feature_dtype), keep(ids), keep(probs))
         self._count(item.tokens)
         self.sequences.append(item)
         self.nbytes += item.nbytes

@@ -77,8 +77,10 @@ class FeatureCache:
             raise ValueError(f"{short} conversations have fewer than two tokens: nothing to learn from; leave them "
                              "out of the data.")
         order = shortest_first(rows)  # add_token_rows' order, so a run samples the same batches either way
-        found = {i: self.load(rows[i]) for i in order}
-        missing = [i for i in order if found[i] is None]
+        # Only the missing ones are held while they are computed; the cached ones are read one at a time as they go
+        # into the buffer (which may keep them in a smaller dtype), so memory holds the data once, not twice.
+        missing = [i for i in order if not self.path(rows[i]).is_file()]
+        computed: dict[int, BufferedSequence] = {}
         buffer = trainer.buffer
         if missing:  # computed in a buffer of their own, each batch saved as it finishes (a killed run keeps them)
             fresh = type(buffer)(1 << 62, buffer.max_tokens, buffer.device)
@@ -88,7 +90,7 @@ class FeatureCache:
                 nonlocal saved
                 for i, sequence in zip(missing[saved:done], itertools.islice(fresh.sequences, saved, done)):
                     self.save(rows[i], sequence)
-                    found[i] = sequence
+                    computed[i] = sequence
                 saved = done
                 if on_batch is not None:
                     on_batch(done, total)
@@ -99,8 +101,9 @@ class FeatureCache:
                                        on_batch=save_batch)
             finally:
                 trainer.buffer = buffer
+            fresh.clear()
         for i in order:
-            s = found[i]
+            s = computed.pop(i) if i in computed else self.load(rows[i])
             targets = None if s.target_ids is None else (s.target_ids, s.target_probs)
             buffer.add(s.tokens, s.features, targets)
         return {"cached": len(rows) - len(missing), "computed": len(missing)}
