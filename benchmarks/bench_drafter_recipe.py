@@ -30,7 +30,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import math
 import os
 import random
 import shlex
@@ -48,6 +47,7 @@ from common import cache_root, print_table, write_results  # noqa: E402
 
 from tlt_trainers import Drafter, DrafterTrainer, Eagle3Drafter, SpeculativeGenerator, TLTConfig  # noqa: E402
 from tlt_trainers.drafter.buffer import BufferedSequence, FeatureBuffer  # noqa: E402
+from tlt_trainers.drafter.trainer import cosine_lr  # noqa: E402
 from tlt_trainers.pretrained import load_smollm2  # noqa: E402
 from tlt_trainers.shipped import shipped_drafter_for  # noqa: E402
 from tlt_trainers.shipped.answers import answer_share, iter_answers, read_manifest  # noqa: E402
@@ -181,7 +181,7 @@ def train_row(recipe: Recipe, drafter: Eagle3Drafter, model, sequences: list[Buf
         if recipe.lr_schedule == "cosine":
             fraction = done / args.steps
             for group in trainer.optimizer.param_groups:
-                group["lr"] = recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+                group["lr"] = cosine_lr(recipe.lr, fraction)
         metrics = trainer.train(max_steps=min(10, args.steps - done))
         done += metrics["steps"]
         seconds += metrics["seconds"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -131,7 +130,7 @@ def train(args) -> None:
     from tlt_trainers import DrafterTrainer
     from tlt_trainers.drafter.buffer import FeatureBuffer
     from tlt_trainers.drafter.feature_cache import FeatureCache
-    from tlt_trainers.drafter.trainer import native_bf16
+    from tlt_trainers.drafter.trainer import cosine_lr, native_bf16
     from tlt_trainers.pretrained import load_smollm2
     from tlt_trainers.shipped.prompts import TEMPERATURES
 
@@ -211,7 +210,7 @@ def train(args) -> None:
         if args.lr_schedule == "cosine":  # from --lr down to a tenth of it over the span
             fraction = min((done_before + trained) / span, 1.0)
             for group in trainer.optimizer.param_groups:
-                group["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
+                group["lr"] = cosine_lr(args.lr, fraction)
         metrics = trainer.train(max_seconds=min(args.report_every, args.minutes * 60 - trained))
         trained += metrics["seconds"]
         tokens += metrics["tokens"]

@@ -8,7 +8,7 @@ from tiny_models import EOS, PAD, padded_prompts, tiny_model
 
 from tlt_trainers import DrafterTrainer, EagleDrafter, SpeculativeGenerator, TLTConfig
 from tlt_trainers.drafter.buffer import FeatureBuffer
-from tlt_trainers.drafter.trainer import estimated_acceptance_length
+from tlt_trainers.drafter.trainer import cosine_lr, estimated_acceptance_length
 from tlt_trainers.modeling.kv_cache import RowState, additive_mask, attention_allowed
 
 
@@ -68,6 +68,31 @@ def test_unrolled_training_reports_each_step_and_keeps_the_policy_intact(model, 
     for key, value in model.state_dict().items():
         assert torch.equal(value, policy[key]), key
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_cosine_schedule_decays_each_micro_step_to_a_tenth_and_gives_the_rate_back(model, rollouts):
+    trainer = DrafterTrainer(EagleDrafter.from_target(model), model, lr=2e-3)
+    trainer.add_sequences(*rollouts)
+    rates = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        rates.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.train(max_steps=5, lr_schedule="cosine")
+    assert rates == pytest.approx([cosine_lr(2e-3, k / 5) for k in range(5)])
+    assert rates[0] == pytest.approx(2e-3) and rates == sorted(rates, reverse=True)
+    assert cosine_lr(2e-3, 1.0) == pytest.approx(2e-4) and cosine_lr(2e-3, 0.5) == pytest.approx(1.1e-3)
+    assert trainer.optimizer.param_groups[0]["lr"] == 2e-3  # the next call starts from the trainer's rate
+    rates.clear()
+    trainer.train(max_steps=3)  # constant: the default
+    assert rates == [2e-3] * 3
+    with pytest.raises(ValueError, match="choose 'constant' or 'cosine'"):
+        trainer.train(max_steps=1, lr_schedule="linear")
+    with pytest.raises(ValueError, match="give max_seconds or max_steps"):
+        trainer.train(should_stop=lambda: True, lr_schedule="cosine")
 
 
 def test_estimated_acceptance_length():

@@ -132,8 +132,10 @@ def test_model_card_figures_are_those_of_the_results_files_it_names(folder):
     assert f"\n- steps: {training['steps']}\n" in card
     assert f"\n- tokens trained: {training['tokens_trained']}\n" in card
     assert f"\n- minutes: {round(training['train_seconds'] / 60, 1):g}\n" in card
-    earlier = training.get("init_from")  # a drafter continued from another: both commands, the earlier first
-    commands = ([earlier["command"]] if earlier else []) + [training["command"]]
+    commands, record = [], training  # a drafter continued from others: every command, the earliest first
+    while record:
+        commands.insert(0, record["command"])
+        record = record.get("init_from")
     assert "\n- reproduce: " + " then ".join(f"`{c}`" for c in commands) + "\n" in card
 
 

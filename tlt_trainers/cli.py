@@ -35,6 +35,8 @@ def _warmup_parser(sub) -> None:
     add_setting_arguments(p, DrafterSettings, WARMUP_SETTINGS, defaults={"drafter_warmup_seconds": 300.0},
                           aliases={"drafter_warmup_seconds": ["--train-seconds"], "drafter_unroll_steps":
                                    ["--unroll-steps"], "drafter_warmup_lr": ["--lr"]})
+    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                   help="cosine: from --lr down to a tenth of it over --train-seconds (the shipped drafters' recipe)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="write the warm-up report as JSON here")
 
@@ -61,7 +63,8 @@ def warmup_command(args) -> int:
         model, tokenizer, prompts, architecture=args.drafter_architecture,
         draft_vocab_size=draft_vocab_size(args.draft_vocab_size, vocab),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, train_seconds=args.drafter_warmup_seconds,
-        unroll_steps=args.drafter_unroll_steps, lr=args.drafter_warmup_lr, eval_prompts=eval_prompts, seed=args.seed)
+        unroll_steps=args.drafter_unroll_steps, lr=args.drafter_warmup_lr, lr_schedule=args.lr_schedule,
+        eval_prompts=eval_prompts, seed=args.seed)
     out = Path(args.out)
     drafter.config.target_name_or_path = args.model
     drafter.save_pretrained(out)

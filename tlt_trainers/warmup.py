@@ -110,6 +110,7 @@ def warmup_drafter(
     train_seconds: float = 300.0,
     unroll_steps: int = 2,
     lr: float = 1e-3,
+    lr_schedule: str = "cosine",
     eval_prompts: list[str] | None = None,
     eval_new_tokens: int = 48,
     seed: int = 0,
@@ -120,11 +121,14 @@ def warmup_drafter(
 
     Without ``drafter``, a fresh one of ``architecture`` ('auto', 'eagle3', 'eagle', 'block': see ``drafter_class``).
 
-    The prompts are split evenly across ``temperatures`` (0.0 = greedy). Acceptance is measured greedily
-    and at temperature 1.0 on ``eval_prompts`` (none: skipped).
+    The prompts are split evenly across ``temperatures`` (0.0 = greedy). Training runs ``train_seconds`` at
+    ``lr`` decayed by ``lr_schedule`` ('cosine': down to a tenth, the shipped drafters' recipe; 'constant').
+    Acceptance is measured greedily and at temperature 1.0 on ``eval_prompts`` (none: skipped).
     """
     if not prompts:
         raise ValueError("warmup_drafter needs at least one prompt.")
+    if lr_schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr_schedule={lr_schedule!r}: choose 'cosine' (the shipped drafters' recipe) or 'constant'.")
     vocab = model.get_output_embeddings().weight.shape[0]
     if drafter is None:
         torch.manual_seed(seed)
@@ -157,7 +161,7 @@ def warmup_drafter(
     give_back(engine)  # the sampling engine's cache and graphs: the drafter's training needs the memory
     log(f"sampled {report.answer_tokens} answer tokens from {len(prompts)} prompts in {report.sampling_seconds:.0f}s")
     trainer.rebuild_draft_vocab()
-    report.training = trainer.train(max_seconds=train_seconds)
+    report.training = trainer.train(max_seconds=train_seconds, lr_schedule=lr_schedule)
     log(f"trained {report.training['steps']} steps in {report.training['seconds']:.0f}s: "
         f"loss {report.training['loss']:.3f}, top-1 {report.training['top1']:.2f}, "
         f"estimated acceptance {report.training['estimated_acceptance_length']:.2f}")

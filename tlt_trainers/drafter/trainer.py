@@ -16,6 +16,7 @@ longest sequence (:func:`packs_sequences`): the same loss on real tokens only.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,14 @@ def native_bf16(device: torch.device) -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cosine_lr(lr: float, fraction: float, floor: float = 0.1) -> float:
+    """The learning rate ``fraction`` (0 to 1, clamped) of the way through a cosine decay from ``lr`` down to
+    ``floor * lr``: the recipe the shipped drafters train with (a decaying rate keeps what a drafter it continues
+    knew, where a constant 1e-3 costs acceptance; docs/benchmarks.md, the recipe table)."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * fraction)))
 
 
 def training_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -493,10 +502,14 @@ class DrafterTrainer:
         max_steps: int | None = None,
         max_seconds: float | None = None,
         should_stop: Callable[[], bool] | None = None,
+        lr_schedule: str = "constant",
     ) -> dict:
         """Micro-steps on the buffer until a budget runs out or ``should_stop()`` (checked between micro-steps).
 
-        With no budget at all, one pass's worth of micro-steps over the buffer. Returns metrics averaged over
+        ``lr_schedule="cosine"`` decays the rate from :attr:`lr` to a tenth of it over this call's budget
+        (``max_seconds`` by the clock, else ``max_steps``; :func:`cosine_lr`), the shipped drafters' recipe; the
+        rate is :attr:`lr` again after the call. With no budget at all, one pass's worth of micro-steps over the
+        buffer. Returns metrics averaged over
         the micro-steps of this call: loss, top-1 agreement with the policy (per unrolled step), the
         estimated acceptance length of a 4-token chain (a block drafter: of its whole block), ``steps``, ``tokens``
         (positions trained) and ``seconds``.
@@ -506,6 +519,10 @@ class DrafterTrainer:
             raise ValueError("The drafter's buffer is empty: add rollouts with add_sequences() or add_features().")
         if max_steps is None and max_seconds is None and should_stop is None:
             max_steps = -(-len(self.buffer) // self.micro_batch_size)
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule={lr_schedule!r}: choose 'constant' or 'cosine'.")
+        if lr_schedule == "cosine" and max_seconds is None and max_steps is None:
+            raise ValueError("lr_schedule='cosine' decays over a budget: give max_seconds or max_steps.")
         progress = None
         if self.show_progress:
             from tqdm.auto import tqdm
@@ -523,6 +540,11 @@ class DrafterTrainer:
                     break
                 if should_stop is not None and should_stop():
                     break
+                if lr_schedule == "cosine":
+                    fraction = ((time.perf_counter() - start) / max_seconds if max_seconds is not None
+                                else steps / max_steps)
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = cosine_lr(self.lr, fraction)
                 count = min(self.micro_batch_size, len(self.buffer))
                 batch = self._batch(self.buffer.sample(count, self.generator))
                 if self.feature_noise:
@@ -547,6 +569,9 @@ class DrafterTrainer:
                     progress.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
         finally:
             self.drafter.eval()
+            if lr_schedule == "cosine":
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr
             if progress is not None:
                 progress.close()
         nan = float("nan")

@@ -131,8 +131,9 @@ class DrafterSettings:
     )
     drafter_warmup_lr: float = field(
         default=1e-3,
-        metadata={"help": "AdamW learning rate of the drafter warm-up: higher than drafter_lr, since the warm-up "
-                  "trains a drafter far from the policy on a fixed set of answers."},
+        metadata={"help": "AdamW learning rate of the drafter warm-up, decayed along a cosine to a tenth of it "
+                  "over drafter_warmup_seconds (the shipped drafters' recipe): higher than drafter_lr, since the "
+                  "warm-up trains a drafter far from the policy on a fixed set of answers."},
     )
 
     def __post_init__(self) -> None:

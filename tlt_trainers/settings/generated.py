@@ -99,7 +99,8 @@ def settings_markdown() -> str:
         "",
         f"{trl_only} are TRL's only: veRL's rollout servers do not warm a drafter up (start them from one saved "
         "by `tlt warmup-drafter` with `drafter_name_or_path`). `tlt warmup-drafter` takes `--draft-vocab-size`, "
-        "`--drafter-unroll-steps`, `--drafter-warmup-lr` and `--drafter-warmup-seconds`.",
+        "`--drafter-unroll-steps`, `--drafter-warmup-lr` and `--drafter-warmup-seconds`, and `--lr-schedule "
+        "constant` for a constant rate (the default decays it along a cosine).",
         "",
         *_markdown_rows([DrafterSettings]),
         "",
