@@ -2,6 +2,7 @@
 
     python benchmarks/predict_gpu_speedup.py
     python benchmarks/predict_gpu_speedup.py --from benchmarks/results/bench_drafters.json --verify-cost 1.1
+    python benchmarks/predict_gpu_speedup.py --from A.json B.json --drafters 'block shipped,eagle3 trained'
 
 Speculation's speedup over plain decoding is the tokens a verify pass emits per row (the acceptance length, measured
 on the CPU by ``bench_drafters.py``, and the same on any device: it depends on the drafter and the policy, not on the
@@ -17,8 +18,9 @@ No GPU run of this repository has measured the two costs, so both are assumption
   (what a memory-bound pass reads), ``linear_weights(drafter) / linear_weights(policy)``; an EAGLE-3 chain of k makes
   k passes, the block drafter one.
 
-Reads a ``bench_drafters.py`` results file (its rows: drafter, drafts, temperature, batch, acceptance length, and the
-CPU's spec/plain ratio, printed beside the prediction) and writes ``benchmarks/results/predict_gpu_speedup.json``.
+Reads ``bench_drafters.py`` results files (their rows: drafter, drafts, temperature, batch, acceptance length, and the
+CPU's spec/plain ratio, printed beside the prediction; ``--drafters`` keeps the named rows, so that each drafter comes
+from the file that measured its newest version) and writes ``benchmarks/results/predict_gpu_speedup.json``.
 """
 
 from __future__ import annotations
@@ -62,24 +64,40 @@ def predict(rows: list[dict], costs: dict[str, dict], verify_cost: float) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from", dest="source", default=str(RESULTS / "bench_drafters_issue52_after.json"),
-                        help="a bench_drafters.py results file")
+    parser.add_argument("--from", dest="sources", nargs="+",
+                        default=[str(RESULTS / "bench_drafters_issue52_after.json")],
+                        help="bench_drafters.py results files")
+    parser.add_argument("--drafters", default=None,
+                        help="comma-separated result rows to predict from (default: every row of every file)")
     parser.add_argument("--verify-cost", type=float, default=1.2,
                         help="assumed: a verify pass over k + 1 tokens per row, in plain steps")
     parser.add_argument("--out", default="predict_gpu_speedup")
     options = parser.parse_args()
-    source = json.loads(Path(options.source).read_text())
-    costs = drafter_pass_costs(source["drafters"])
-    rows = predict(source["rows"], costs, options.verify_cost)
+    wanted = set(options.drafters.split(",")) if options.drafters else None
+    rows, costs, sources = [], {}, []
+    for source_path in options.sources:
+        source = json.loads(Path(source_path).read_text())
+        kept = [r for r in source["rows"] if wanted is None or r["drafter"] in wanted]
+        if not kept:
+            continue
+        named = {r["drafter"] for r in kept}
+        if named & costs.keys():
+            raise SystemExit(f"{source_path} measures {sorted(named & costs.keys())} again: name one file's rows "
+                             "with --drafters.")
+        costs.update(drafter_pass_costs({name: path for name, path in source["drafters"].items() if name in named}))
+        relative = str(Path(source_path).resolve().relative_to(Path(__file__).resolve().parents[1]))
+        rows += [{**row, "source": Path(relative).stem} for row in predict(kept, costs, options.verify_cost)]
+        sources.append({"file": relative, "machine": source.get("machine"), "drafters": sorted(named)})
+    if not rows:
+        raise SystemExit(f"No rows named {sorted(wanted)} in {options.sources}.")
     table = print_table(
-        ["drafter", "drafts", "T", "batch", "acceptance length", "CPU spec/plain (measured)", "drafter passes",
-         "pass cost (assumed)", "verify cost (assumed)", "predicted GPU spec/plain"],
-        [[r["drafter"], r["k"], r["temperature"], r["batch"], round(r["acceptance_length"], 2),
+        ["drafter", "measured in", "drafts", "T", "batch", "acceptance length", "CPU spec/plain (measured)",
+         "drafter passes", "pass cost (assumed)", "verify cost (assumed)", "predicted GPU spec/plain"],
+        [[r["drafter"], r["source"], r["k"], r["temperature"], r["batch"], round(r["acceptance_length"], 2),
           round(r["cpu_speedup"], 2) if r["cpu_speedup"] is not None else "-", r["drafter_passes"],
           round(r["drafter_pass_cost"], 3), r["verify_cost"], round(r["predicted_gpu_speedup"], 2)] for r in rows])
     path = write_results(options.out, {
-        "source": str(Path(options.source).resolve().relative_to(Path(__file__).resolve().parents[1])),
-        "source_machine": source.get("machine"),
+        "sources": sources,
         "assumed": {"verify_cost": options.verify_cost,
                     "drafter_pass_cost": "the drafter's share of the policy's linear weights"},
         "drafter_pass_costs": costs, "rows": rows, "table": table})
