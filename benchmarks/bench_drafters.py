@@ -11,6 +11,11 @@ whole block, ``block:K`` with K = block_size - 1): acceptance length (tokens per
 acceptance, and speculative/plain tokens per second, plain decoding measured in the same loop (engines alternate in
 order between repetitions).
 
+Acceptance here is what a user's engine sees, but over a few hundred verify steps; the repetitions inside one process
+agree to the last digit, yet the same drafter measured in another process can differ by several hundredths (a
+matmul's last bits move one step boundary, and every later step moves with it). To tell two drafters of one lineage
+apart, score them offline on the same positions: ``benchmarks/bench_drafters_offline.py``.
+
 The warm-ups train from scratch on the policy's cached answers (the shipped drafter's data) for ``--warmup-minutes``
 of one CPU core each (``torch.set_num_threads(1)``, the two architectures side by side in two processes), after one
 feature pass over ``--warmup-answers`` answers; they are cached under ``TLT_CACHE_DIR``.
