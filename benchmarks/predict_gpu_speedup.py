@@ -2,7 +2,7 @@
 
     python benchmarks/predict_gpu_speedup.py
     python benchmarks/predict_gpu_speedup.py --from benchmarks/results/bench_drafters.json --verify-cost 1.1
-    python benchmarks/predict_gpu_speedup.py --from A.json B.json --drafters 'block shipped,eagle3 trained'
+    python benchmarks/predict_gpu_speedup.py --from A.json B.json --drafters 'A:block shipped,B:eagle3 shipped'
 
 Speculation's speedup over plain decoding is the tokens a verify pass emits per row (the acceptance length, measured
 on the CPU by ``bench_drafters.py``, and the same on any device: it depends on the drafter and the policy, not on the
@@ -68,16 +68,21 @@ def main() -> None:
                         default=[str(RESULTS / "bench_drafters_issue52_after.json")],
                         help="bench_drafters.py results files")
     parser.add_argument("--drafters", default=None,
-                        help="comma-separated result rows to predict from (default: every row of every file)")
+                        help="comma-separated result rows to predict from, ROW or FILE_STEM:ROW (default: every row "
+                             "of every file)")
     parser.add_argument("--verify-cost", type=float, default=1.2,
                         help="assumed: a verify pass over k + 1 tokens per row, in plain steps")
     parser.add_argument("--out", default="predict_gpu_speedup")
     options = parser.parse_args()
-    wanted = set(options.drafters.split(",")) if options.drafters else None
+    wanted = options.drafters.split(",") if options.drafters else None
     rows, costs, sources = [], {}, []
     for source_path in options.sources:
         source = json.loads(Path(source_path).read_text())
-        kept = [r for r in source["rows"] if wanted is None or r["drafter"] in wanted]
+        stem = Path(source_path).stem
+
+        # "ROW" from any file, "FILE_STEM:ROW" from that file only
+        kept = [r for r in source["rows"]
+                if wanted is None or r["drafter"] in wanted or f"{stem}:{r['drafter']}" in wanted]
         if not kept:
             continue
         named = {r["drafter"] for r in kept}
