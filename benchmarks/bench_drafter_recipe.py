@@ -113,12 +113,10 @@ def parse_args():
 def features(trainer: DrafterTrainer, rows: list[torch.Tensor], label: str) -> list[BufferedSequence]:
     """One no-grad policy forward over ``rows`` (64 at a time, sorted by length): the buffered sequences, their
     features kept in bfloat16 (half the memory; batches are built in the policy's dtype)."""
-    trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1024)
+    trainer.buffer = FeatureBuffer(1 << 40, max_tokens=1024, feature_dtype=torch.bfloat16)
     start = time.perf_counter()
 
     def on_batch(done: int, total: int) -> None:
-        for seq in trainer.buffer.sequences:
-            seq.features = seq.features.to(torch.bfloat16)
         print(f"{label} features: {done}/{total} sequences, {time.perf_counter() - start:.0f}s", flush=True)
 
     trainer.add_token_rows([r[:1025] for r in rows], on_batch=on_batch)
@@ -206,12 +204,20 @@ def engine_acceptance(model, tok, drafter, prompts: list[str], temperature: floa
         s = result.stats
         forwards, emitted = forwards + s.row_forwards, emitted + s.generated_tokens_in_steps
         drafted, first = drafted + s.drafted_rows, first + s.first_accepted
-        width = enc.input_ids.shape[1]
-        for row, mask in zip(result.sequences, enc.attention_mask):
-            completion = row[width:]
-            prompt = row[:width][mask.bool()]
-            made.append((torch.cat([prompt, completion[completion != tok.pad_token_id]]), len(prompt)))
+        made += answered(result.sequences, enc.attention_mask, tok.pad_token_id)
     return {"acceptance_length": emitted / forwards, "first_draft_acceptance": first / drafted}, made
+
+
+def answered(sequences: torch.Tensor, attention_mask: torch.Tensor,
+             pad_token_id: int) -> list[tuple[torch.Tensor, int]]:
+    """Each row of a left-padded batch's ``sequences`` as ``(prompt + answer ids, prompt length)``, padding dropped."""
+    width = attention_mask.shape[1]
+    made = []
+    for row, mask in zip(sequences, attention_mask):
+        completion = row[width:]
+        prompt = row[:width][mask.bool()]
+        made.append((torch.cat([prompt, completion[completion != pad_token_id]]), len(prompt)))
+    return made
 
 
 def step_costs(model, drafter, args, context: int = 256) -> dict:

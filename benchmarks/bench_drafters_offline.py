@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_drafter_recipe import answer_features, offline  # noqa: E402
+from bench_drafter_recipe import answer_features, answered, offline  # noqa: E402
 from common import print_table, write_results  # noqa: E402
 
 from tlt_trainers import Drafter, DrafterTrainer, SpeculativeGenerator, TLTConfig  # noqa: E402
@@ -47,11 +47,7 @@ def policy_answers(model, tok, prompts: list[str], temperature: float, new_token
                                  do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                  generator=torch.Generator().manual_seed(start))
-        width = enc.input_ids.shape[1]
-        for row, mask in zip(result.sequences, enc.attention_mask):
-            completion = row[width:]
-            prompt = row[:width][mask.bool()]
-            made.append((torch.cat([prompt, completion[completion != tok.pad_token_id]]), len(prompt)))
+        made += answered(result.sequences, enc.attention_mask, tok.pad_token_id)
     return made
 
 

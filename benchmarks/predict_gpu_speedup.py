@@ -79,7 +79,6 @@ def main() -> None:
     for source_path in options.sources:
         source = json.loads(Path(source_path).read_text())
         stem = Path(source_path).stem
-
         # "ROW" from any file, "FILE_STEM:ROW" from that file only
         kept = [r for r in source["rows"]
                 if wanted is None or r["drafter"] in wanted or f"{stem}:{r['drafter']}" in wanted]
@@ -91,7 +90,7 @@ def main() -> None:
                              "with --drafters.")
         costs.update(drafter_pass_costs({name: path for name, path in source["drafters"].items() if name in named}))
         relative = str(Path(source_path).resolve().relative_to(Path(__file__).resolve().parents[1]))
-        rows += [{**row, "source": Path(relative).stem} for row in predict(kept, costs, options.verify_cost)]
+        rows += [{**row, "source": stem} for row in predict(kept, costs, options.verify_cost)]
         sources.append({"file": relative, "machine": source.get("machine"), "drafters": sorted(named)})
     if not rows:
         raise SystemExit(f"No rows named {sorted(wanted)} in {options.sources}.")
