@@ -170,13 +170,21 @@ def test_packed_micro_batch_gives_the_padded_loss_metrics_and_gradients(buffered
 
 
 def test_packed_training_follows_padded_training(buffered_trainers):
-    """Ten micro-steps on the same sampled micro-batches end at the same drafter (float32)."""
+    """Ten micro-steps on the same sampled micro-batches end at the same drafter (float32).
+
+    Compared against how far training moved each tensor: AdamW divides by the root of the squared gradient, so an
+    entry whose gradient is near zero moves by up to the rate on a rounding difference (seen on an AVX-512 Xeon:
+    one entry of 3072 off by 1.3e-4 after ten steps at lr 3e-3, the losses equal), while a packing error (a token
+    attending across sequences) moves whole tensors by as much as training does."""
     padded, packed = (copy.deepcopy(buffered_trainers[k]) for k in ("padded", "packed"))
+    start = {name: p.detach().clone() for name, p in padded.drafter.named_parameters()}
     a, b = padded.train(max_steps=10), packed.train(max_steps=10)
     assert a["tokens"] == b["tokens"]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
     for (name, p), q in zip(padded.drafter.named_parameters(), packed.drafter.parameters(), strict=True):
-        torch.testing.assert_close(q, p, atol=1e-4, rtol=1e-4, msg=name)
+        moved = (p - start[name]).norm()
+        assert moved > 0, name
+        assert (q - p).norm() <= 1e-2 * moved, (name, float((q - p).norm()), float(moved))
 
 
 def test_packed_bf16_autocast_stays_close_to_padded(buffered_trainers):
