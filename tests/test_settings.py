@@ -35,7 +35,7 @@ DRAFTER_VALUES = dict(
     drafter_micro_batch_size=4, drafter_precision="float32", drafter_attention="padded", drafter_update_fraction=0.2,
     drafter_update_seconds=10.0, drafter_update_budget="fixed", drafter_payback_share=0.25, drafter_explore_share=0.05,
     drafter_max_idle_seconds=60.0, drafter_max_steps_per_update=7, drafter_buffer_bytes=1 << 20,
-    drafter_warmup_prompts=16, drafter_warmup_seconds=30.0, drafter_warmup_lr=2e-3,
+    drafter_targets="sampled", drafter_warmup_prompts=16, drafter_warmup_seconds=30.0, drafter_warmup_lr=2e-3,
 )
 VERL_DRAFTER_VALUES = {k: v for k, v in DRAFTER_VALUES.items() if k not in TRL_ONLY}
 

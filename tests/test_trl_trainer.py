@@ -1,6 +1,7 @@
 """TLTGRPOTrainer as a drop-in for trl.GRPOTrainer: logs, LoRA, two ranks with idle-time drafter updates, resume,
 and greedy rollouts identical to stock GRPO's."""
 
+import copy
 import json
 import os
 import subprocess
@@ -165,6 +166,39 @@ def test_warmup_and_drafter_from_a_folder(tmp_path):
     assert all(torch.equal(final[k], v) for k, v in loaded.drafter.state_dict().items())
 
 
+@pytest.mark.parametrize("targets", ["auto", "sampled"])
+def test_an_eagle3_drafter_learns_the_policys_law_from_the_engines_rollouts(tmp_path, targets):
+    """At T=1 the token the policy sampled is a noisy target an EAGLE-3 drafter memorises
+    (benchmarks/bench_adaptation_offline.py): by default its rollouts go through one policy forward that gives the
+    policy's top-k law; 'sampled' keeps the engine's features and the sampled tokens."""
+    from tiny_models import tiny_model
+
+    from tlt_trainers import Eagle3Drafter
+    from tlt_trainers.drafter.trainer import TARGET_TOP_K
+
+    model = tiny_model("llama", logit_scale=4.0, num_hidden_layers=6)
+    # learning_rate 0: the policy stays the one that sampled, whose law the buffer must hold
+    args = TLTGRPOConfig(**grpo_kwargs(tmp_path, max_steps=1, temperature=1.0, learning_rate=0.0),
+                         drafter_architecture="eagle3",
+                         drafter_targets=targets, drafter_max_steps_per_update=1, speculation="always")
+    trainer = TLTGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
+                             processing_class=char_tokenizer())
+    assert isinstance(trainer.drafter, Eagle3Drafter)
+    rollout_policy = copy.deepcopy(model)
+    trainer.train()
+    sequences = list(trainer.drafter_trainer.buffer.sequences)
+    assert len(sequences) == 4  # the step's rollouts, each once
+    if targets == "sampled":
+        assert all(seq.target_ids is None for seq in sequences)
+        return
+    for seq in sequences:
+        assert seq.target_ids.shape == (seq.features.shape[0], TARGET_TOP_K)
+        with torch.no_grad():
+            law = rollout_policy(seq.tokens[None]).logits[0, 1:].float().softmax(-1).topk(TARGET_TOP_K)
+        torch.testing.assert_close(seq.target_probs.float(), law.values, atol=1e-3, rtol=1e-3)  # kept in float16
+        assert torch.equal(seq.target_ids[:, 0], law.indices[:, 0])
+
+
 @pytest.mark.parametrize("rebuild", [False, True], ids=["keep-vocabulary", "rebuild-vocabulary"])
 def test_starts_from_a_speculators_folder_trains_it_and_saves_one_that_loads_back(tmp_path, rebuild, monkeypatch):
     from tiny_models import tiny_model
@@ -178,7 +212,8 @@ def test_starts_from_a_speculators_folder_trains_it_and_saves_one_that_loads_bac
     published.set_draft_vocab(torch.arange(20, 52))
     folder = export_eagle3_vllm(published, tmp_path / "speculators", "tiny/policy")  # what vLLM serves
     args = TLTGRPOConfig(**grpo_kwargs(tmp_path / "out", max_steps=2), drafter_name_or_path=str(folder),
-                         drafter_update_fraction=1e3, drafter_rebuild_draft_vocab=rebuild)
+                         drafter_update_fraction=1e3, drafter_max_steps_per_update=2,  # 2 steps, not 30 s
+                         drafter_rebuild_draft_vocab=rebuild)
     recorder = Recorder()
     trainer = TLTGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(),
                              processing_class=char_tokenizer(), callbacks=[recorder])

@@ -154,6 +154,13 @@ def regresses_features(drafter: Drafter) -> bool:
     return drafter.feature_layers is None
 
 
+def learns_policy_law(drafter: Drafter) -> bool:
+    """Whether the drafter's loss matches the policy's next-token law when a sequence arrives with it (EAGLE-3's
+    token loss, from the final hidden states ``add_features`` is handed); otherwise it learns the token that was
+    sampled. EAGLE-1 drafters derive the law from the policy's features; block drafters train on sampled tokens."""
+    return not regresses_features(drafter) and kind_of(drafter).training_loss is DrafterTrainer.autoregressive_loss
+
+
 def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> bool:
     """Whether drafter training packs its micro-batches for ``attention`` ('auto', 'packed' or 'padded').
 

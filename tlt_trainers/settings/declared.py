@@ -120,6 +120,17 @@ class DrafterSettings:
         metadata={"help": "Byte cap of the buffer of recent rollouts (tokens and the policy's hidden states) the "
                   "drafter trains on; the oldest sequences are dropped first, so the drafter follows the policy."},
     )
+    drafter_targets: str = field(
+        default="auto",
+        metadata={"help": "What an EAGLE-3 drafter learns from each rollout of TLT's engine: 'law' (one no-grad "
+                  "policy forward over the finished rollouts, a prefill's cost, gives the policy's next-token law, "
+                  "its top 16, as the targets), 'sampled' (the features the engine's passes computed anyway, no "
+                  "extra forward, and the one token the policy sampled as the target, which at temperature 1 the "
+                  "drafter memorises instead of learning the law from), 'auto' ('law' where the drafter's loss "
+                  "reads it, EAGLE-3; EAGLE-1 drafters learn the law from the policy's features and block drafters "
+                  "the sampled tokens either way, so they take 'sampled'). Rollouts TRL generates (vLLM, or the "
+                  "stock way) always go through the forward."},
+    )
     drafter_warmup_prompts: int = field(
         default=0,
         metadata={"help": "Before RL starts, sample the policy's answers to this many prompts of the train dataset "
@@ -163,6 +174,9 @@ class DrafterSettings:
         if self.drafter_max_steps_per_update is not None and self.drafter_max_steps_per_update < 0:
             raise ValueError(f"drafter_max_steps_per_update={self.drafter_max_steps_per_update} must be >= 0 or "
                              "None (time budgets only).")
+        if self.drafter_targets not in ("auto", "law", "sampled"):
+            raise ValueError(f"drafter_targets={self.drafter_targets!r}: choose 'auto', 'law' (the policy's "
+                             "next-token law, one forward per rollout) or 'sampled' (the sampled tokens).")
         if self.drafter_warmup_prompts < 0:
             raise ValueError(f"drafter_warmup_prompts={self.drafter_warmup_prompts} must be >= 0 (0: no warm-up).")
 
@@ -205,7 +219,7 @@ class RolloutServerSettings:
 
 
 # Settings only TRL's trainer has: veRL's rollout servers start from a saved drafter instead of warming one up.
-TRL_ONLY = ("drafter_warmup_prompts", "drafter_warmup_seconds", "drafter_warmup_lr")
+TRL_ONLY = ("drafter_targets", "drafter_warmup_prompts", "drafter_warmup_seconds", "drafter_warmup_lr")
 TRAINER_SETTINGS = (TLTConfig, DrafterSettings)  # TLTGRPOConfig's settings
 VERL_SETTINGS = (TLTConfig, DrafterSettings, RolloutServerSettings)  # the tlt: section's (less TRL_ONLY)
 

@@ -41,7 +41,7 @@ from trl.trainer.utils import pad
 
 from .. import metric_names as metric
 from ..drafter.base import Drafter
-from ..drafter.trainer import TRAINER_STATE
+from ..drafter.trainer import TRAINER_STATE, learns_policy_law
 from ..kinds.setup import rollout_drafter
 from ..modeling.features import capture_features
 from ..online import (
@@ -221,13 +221,17 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._tlt_max_length = config.max_length
 
         self.drafter, self.drafter_trainer = None, None
-        self._tlt_draft_vocab_ready = True
+        self._tlt_draft_vocab_ready, self._tlt_learns_law = True, False
         if self._tlt_config.speculation == "never":
             return
         # The same fresh drafter on every rank; it drafts over the most frequent tokens of the first rollouts.
         self.drafter, self.drafter_trainer, self._tlt_draft_vocab_ready = rollout_drafter(
             policy, self.tlt_settings, int(args.seed), self.accelerator.process_index, drafter,
             engine=_rollout_engine(self))
+        # What the drafter learns from the engine's rollouts: the policy's law needs one forward over them (the
+        # engine's sink hands features and the sampled tokens only)
+        targets = self.tlt_settings.drafter_targets
+        self._tlt_learns_law = targets == "law" or (targets == "auto" and learns_policy_law(self.drafter))
 
     @property
     def _tlt_trains_at_generation_end(self) -> bool:
@@ -285,7 +289,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         if max_new_tokens is None:  # generate(): max_length counts the prompt
             max_new_tokens = max(1, (self._tlt_max_length or 20) - prompt_length)
         sink = None
-        if self.model.training and self.drafter_trainer is not None:
+        if self.model.training and self.drafter_trainer is not None and not self._tlt_learns_law:
             sink = self.drafter_trainer.add_features
         with self._tlt_unwrapped() as unwrapped:
             policy = _policy_of(unwrapped)
@@ -304,7 +308,10 @@ class TLTGRPOTrainer(GRPOTrainer):
         eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
         sequence_indices = torch.arange(is_eos.size(1), device=completion_ids.device).expand(is_eos.size(0), -1)
         completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-        return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu())]
+        completions = [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu())]
+        if self._tlt_learns_law:
+            self._tlt_learn_from(prompt_ids, completions)
+        return completions
 
     def _generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
         if self.use_vllm:
@@ -332,8 +339,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         return output
 
     def _tlt_learn_from(self, prompt_ids, completion_ids) -> None:
-        """Rollouts generated the stock way enter the drafter's buffer through one no-grad forward of the policy
-        (TLT's engine would have handed over their features from its own passes)."""
+        """Rollouts enter the drafter's buffer through one no-grad forward of the policy, which gives their features
+        and the policy's next-token law: rollouts generated the stock way, and TLT's engine's where the drafter
+        learns the law (``drafter_targets``; otherwise the engine hands over features from its own passes)."""
         if not (self.model.training and self.drafter_trainer is not None and completion_ids):
             return
         rows = [torch.tensor(list(p) + list(c)) for p, c in zip(prompt_ids, completion_ids)]
