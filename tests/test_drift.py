@@ -74,3 +74,24 @@ def test_warmup_makes_a_fresh_drafter_accept_more():
     after = report.acceptance_after["t0"]["acceptance_length"]
     assert after > before + 0.3, (before, after)
     assert report.training["steps"] > 0
+
+
+def test_warmup_teaches_an_eagle3_drafter_the_policys_law(monkeypatch):
+    """The engine hands the warm-up features and sampled tokens only; an EAGLE-3 drafter's answers go through one
+    policy forward so that it trains on the policy's top-k law, as the shipped drafters did."""
+    from tlt_trainers import DrafterTrainer, Eagle3Drafter
+
+    seen = []
+    train = DrafterTrainer.train
+
+    def recording(self, *args, **kwargs):
+        seen.extend(self.buffer.sequences)
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(DrafterTrainer, "train", recording)
+    model = tiny_model("llama", logit_scale=4.0, vocab_size=64, num_hidden_layers=6)
+    drafter, report = warmup_drafter(model, char_tokenizer(64), ["add two", "sum ten one", "what is plus"],
+                                     architecture="eagle3", max_new_tokens=8, train_seconds=0.2,
+                                     temperatures=(1.0,), show_progress=False, log=lambda *_: None)
+    assert isinstance(drafter, Eagle3Drafter) and report.training["steps"] > 0
+    assert len(seen) == 3 and all(seq.target_ids is not None for seq in seen)

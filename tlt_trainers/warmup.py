@@ -1,8 +1,9 @@
 """Warm-up: make a fresh drafter useful before RL starts, from the policy's own answers.
 
-Sample answers with the plain engine (sampled and greedy, as rollouts will be), feed the engine's
-hidden states straight into the trainer's buffer (no second forward), build the draft vocabulary
-from the tokens seen, train, and measure real acceptance before and after on held-out prompts.
+Sample answers with the plain engine (sampled and greedy, as rollouts will be), feed them to the trainer's buffer
+(an EAGLE-3 drafter's through one policy forward, which gives the policy's next-token law to learn; other kinds take
+the engine's hidden states as they come, no second forward), build the draft vocabulary from the tokens seen, train,
+and measure real acceptance before and after on held-out prompts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from .config import TLTConfig
 from .drafter.base import Drafter
-from .drafter.trainer import DrafterTrainer
+from .drafter.trainer import DrafterTrainer, learns_policy_law
 from .kinds.setup import drafter_class
 from .rollout.generator import SpeculativeGenerator
 from .rollout.memory import give_back
@@ -147,6 +148,11 @@ def warmup_drafter(
     report.acceptance_before = measure()
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never", show_progress=show_progress))
     eos, pad = _special_tokens(tokenizer, model)
+    # An EAGLE-3 drafter learns the policy's next-token law, which one forward over the answers gives (the engine
+    # hands features and the sampled tokens only); other kinds take the engine's features as they come
+    answers: list[torch.Tensor] = []
+    law = learns_policy_law(drafter)
+    sink = (lambda tokens, features: answers.append(tokens.cpu())) if law else trainer.add_features
     start = time.perf_counter()
     shares = [prompts[i :: len(temperatures)] for i in range(len(temperatures))]
     for temperature, share in zip(temperatures, shares):
@@ -155,10 +161,12 @@ def warmup_drafter(
             res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0, eos_token_id=eos,
                                   pad_token_id=pad, generator=torch.Generator().manual_seed(seed + offset),
-                                  feature_sink=trainer.add_features, feature_layers=drafter.feature_layers)
+                                  feature_sink=sink, feature_layers=drafter.feature_layers)
             report.answer_tokens += res.stats.generated_tokens
-    report.sampling_seconds = time.perf_counter() - start
     give_back(engine)  # the sampling engine's cache and graphs: the drafter's training needs the memory
+    if answers:
+        trainer.add_token_rows(answers)
+    report.sampling_seconds = time.perf_counter() - start
     log(f"sampled {report.answer_tokens} answer tokens from {len(prompts)} prompts in {report.sampling_seconds:.0f}s")
     trainer.rebuild_draft_vocab()
     report.training = trainer.train(max_seconds=train_seconds, lr_schedule=lr_schedule)

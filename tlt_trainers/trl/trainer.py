@@ -7,7 +7,9 @@ Change one import::
 and the script runs as before: same datasets, rewards, PEFT, logging and checkpoints, and the completions
 are drawn from exactly the distribution ``model.generate`` would use. What changes is inside TRL's
 ``_generate_single_turn``: the completions come from :class:`SpeculativeGenerator`, whose verify passes
-also hand the policy's hidden states to a :class:`DrafterTrainer`. After each rollout the drafter trains:
+also hand the policy's hidden states to a :class:`DrafterTrainer` (an EAGLE-3 drafter's rollouts go through one
+no-grad policy forward instead, which also gives the policy's next-token law it learns: ``drafter_targets``). After
+each rollout the drafter trains:
 in a multi-process run while a rank waits for slower ranks (then all ranks take the same drafter), in a
 single process for a short time budget.
 
