@@ -87,7 +87,8 @@ def run(start: str, options, dataset) -> dict:
         use_cpu=not torch.cuda.is_available(), bf16=False, seed=options.seed, data_seed=options.seed,
         disable_tqdm=True, drafter_name_or_path=STARTS[start], speculation="always",
         num_speculative_tokens=options.k,
-        **({"drafter_update_fraction": options.update_fraction} if options.update_fraction is not None else {}))
+        **({"drafter_update_fraction": options.update_fraction} if options.update_fraction is not None else {}),
+        **({"drafter_targets": options.drafter_targets} if options.drafter_targets is not None else {}))
     trainer = TLTGRPOTrainer(model=model, reward_funcs=answer_reward, args=args, train_dataset=dataset,
                              processing_class=tokenizer, callbacks=[Record()])
     trainer.train()
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--update-fraction", type=float, default=None,
                         help="drafter_update_fraction (default: the setting's): the share of a rollout's seconds one "
                              "process trains its drafter after it; a multi-rank run's idle time can be far more")
+    parser.add_argument("--drafter-targets", default=None, choices=["auto", "law", "sampled"],
+                        help="drafter_targets (default: the setting's): what the drafter learns from each rollout")
     parser.add_argument("--quick", action="store_true", help="4 answers of 64 tokens a step")
     parser.add_argument("--output-dir", default="/tmp/bench_adaptation")
     parser.add_argument("--out", default="bench_adaptation", help="results file name (without .json)")
