@@ -14,7 +14,7 @@ pytest.importorskip("verl")
 pd = pytest.importorskip("pandas")
 
 from tiny_models import EOS, tiny_model  # noqa: E402
-from verl_runs import run_main_ppo, write_assets  # noqa: E402
+from verl_runs import run_main_ppo, step_lines, write_assets  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,9 @@ def test_two_grpo_steps_on_cpu_then_resume(assets):
     first = train(assets, steps=2)
     log = first.stdout + first.stderr
     assert first.returncode == 0, log[-6000:]
+    lines = step_lines(log)
     for step in (1, 2):
-        line = next((ln for ln in log.splitlines() if f"step:{step} -" in ln), None)
+        line = lines.get(step)
         assert line is not None, f"no step {step} in the training log:\n{log[-4000:]}"
         for key in ("actor/pg_loss", "tlt/acceptance_length", "tlt/drafter_steps", "critic/score/mean"):
             assert key in line, f"{key} missing from step {step}"
@@ -47,4 +48,4 @@ def test_two_grpo_steps_on_cpu_then_resume(assets):
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-6000:]
     assert "TLT: drafter restored from" in log and "global_step_2" in log
-    assert any("step:3 -" in ln for ln in log.splitlines())
+    assert 3 in step_lines(log)

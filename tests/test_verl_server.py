@@ -311,6 +311,33 @@ def test_starts_from_a_public_layout_drafter_and_stays_exact(model_dir, referenc
         assert output.token_ids == greedy_generate(reference, prompt, RESPONSE_LENGTH, eos=EOS)
 
 
+@pytest.mark.parametrize("targets", ["auto", "sampled"])
+def test_an_eagle3_drafter_learns_the_policys_law_from_the_served_rollouts(tmp_path, targets):
+    """The engine's sink hands features and the sampled tokens only; by default an EAGLE-3 drafter's rollouts go
+    through one policy forward that gives the policy's top-k law (at T=1 the sampled token is a target it memorises:
+    benchmarks/bench_adaptation_offline.py); 'sampled' keeps the sink's."""
+    from tlt_trainers import Eagle3Drafter
+    from tlt_trainers.drafter.trainer import TARGET_TOP_K
+
+    model = tiny_model("llama", vocab_size=64, seed=5, logit_scale=4.0, num_hidden_layers=6)
+    model.generation_config.eos_token_id = EOS
+    path = save_with_char_tokenizer(model, tmp_path / "policy")
+    server = make_server(path, speculation="always", drafter_architecture="eagle3", drafter_targets=targets)
+    assert isinstance(server.drafter, Eagle3Drafter)
+    serve(server, [(prompt, VERL_TRAIN) for prompt in random_prompts(4, 5, seed=3)])
+    sequences = list(server.trainer.buffer.sequences)
+    assert len(sequences) == 4
+    if targets == "sampled":
+        assert all(seq.target_ids is None for seq in sequences)
+        return
+    policy = AutoModelForCausalLM.from_pretrained(path).eval()
+    for seq in sequences:
+        with torch.no_grad():
+            law = policy(seq.tokens[None]).logits[0, 1:].float().softmax(-1).topk(TARGET_TOP_K)
+        torch.testing.assert_close(seq.target_probs.float(), law.values, atol=1e-3, rtol=1e-3)  # kept in float16
+        assert torch.equal(seq.target_ids[:, 0].long(), law.indices[:, 0])
+
+
 # ----------------------------------------------------------------------------- memory kept between batches
 @pytest.mark.parametrize("hook", ["sleep", "release_kv_cache"])
 def test_sleep_and_release_kv_cache_give_the_engines_memory_back(model_dir, reference, hook):

@@ -27,7 +27,7 @@ pytest.importorskip("verl")
 pd = pytest.importorskip("pandas")
 
 from tiny_models import EOS, tiny_model  # noqa: E402
-from verl_runs import run_main_ppo, write_assets  # noqa: E402
+from verl_runs import run_main_ppo, step_lines, write_assets  # noqa: E402
 
 
 def _vllm_imports() -> str | None:
@@ -374,11 +374,10 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
     log = first.stdout + first.stderr
     (assets / "first.log").write_text(log)
     assert first.returncode == 0, log[-8000:]
-    lines = {}
+    lines = step_lines(log)
     for step in (1, 2):
-        line = next((ln for ln in log.splitlines() if f"step:{step} -" in ln), None)
-        assert line is not None, f"no step {step} in the training log:\n{log[-4000:]}"
-        lines[step] = line
+        assert step in lines, f"no step {step} in the training log:\n{log[-4000:]}"
+        line = lines[step]
         for key in ("actor/pg_loss", "critic/score/mean", "tlt/drafter_steps", "tlt/drafter_loss"):
             assert key in line, f"{key} missing from step {step}"
         assert _metric(line, "tlt/drafter_steps") >= 1, line
@@ -403,7 +402,7 @@ def test_two_grpo_steps_with_vllm_then_resume(assets):
     (assets / "resumed.log").write_text(log)
     assert resumed.returncode == 0, log[-8000:]
     assert "TLT: drafter restored from" in log and "global_step_2" in log
-    line = next((ln for ln in log.splitlines() if "step:3 -" in ln), None)
+    line = step_lines(log).get(3)
     assert line is not None
     # the restored trainer continues counting from the checkpoint's steps
     assert _metric(line, "tlt/drafter_total_steps") > _metric(lines[2], "tlt/drafter_total_steps")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,3 +62,30 @@ def run_main_ppo(assets: Path, steps: int, experiment: str, *overrides: str, ent
                    "RAY_DEDUP_LOGS": "0", **(env or {})}
     command = [sys.executable, "-m", "tlt_trainers.verl.main_ppo", *entry, "platform=cpu", *common, *overrides]
     return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900, cwd=assets)
+
+
+# Ray prefixes each line a worker prints with its actor and pid (in colour on a terminal)
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\((\w+) pid=\d+\)(?:\x1b\[0m)? ?")
+_STEP = re.compile(r"step:(\d+) - ")
+
+
+def step_lines(log: str, actor: str = "TLTTaskRunner") -> dict[int, str]:
+    """veRL's console line of each training step (``step:N - key:value - ...``), by step.
+
+    Ray's log monitor can cut a long line into pieces, each with its own ``(actor pid=...)`` prefix (seen: a step's
+    line cut after 600-odd characters, its ``actor/*`` metrics in the second piece). So a step's line is its piece
+    and every later piece the actor printed, up to the next step's."""
+    lines: dict[int, str] = {}
+    step = None
+    for line in log.splitlines():
+        prefix = _RAY_PREFIX.match(line)
+        if prefix is None or prefix.group(1) != actor:
+            continue
+        piece = line[prefix.end():]
+        start = _STEP.match(piece)
+        if start is not None:
+            step = int(start.group(1))
+            lines[step] = piece
+        elif step is not None:
+            lines[step] += piece
+    return lines

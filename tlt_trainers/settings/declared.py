@@ -122,14 +122,15 @@ class DrafterSettings:
     )
     drafter_targets: str = field(
         default="auto",
-        metadata={"help": "What an EAGLE-3 drafter learns from each rollout of TLT's engine: 'law' (one no-grad "
-                  "policy forward over the finished rollouts, a prefill's cost, gives the policy's next-token law, "
-                  "its top 16, as the targets), 'sampled' (the features the engine's passes computed anyway, no "
-                  "extra forward, and the one token the policy sampled as the target, which at temperature 1 the "
-                  "drafter memorises instead of learning the law from), 'auto' ('law' where the drafter's loss "
-                  "reads it, EAGLE-3; EAGLE-1 drafters learn the law from the policy's features and block drafters "
-                  "the sampled tokens either way, so they take 'sampled'). Rollouts TRL generates (vLLM, or the "
-                  "stock way) always go through the forward."},
+        metadata={"help": "What an EAGLE-3 drafter learns from each rollout of TLT's engine (TRL's trainer, veRL's "
+                  "tlt rollout): 'law' (one no-grad policy forward over the finished rollouts, a prefill's cost, "
+                  "gives the policy's next-token law, its top 16, as the targets), 'sampled' (the features the "
+                  "engine's passes computed anyway, no extra forward, and the one token the policy sampled as the "
+                  "target, which at temperature 1 the drafter memorises instead of learning the law from), 'auto' "
+                  "('law' where the drafter's loss reads it, EAGLE-3; EAGLE-1 drafters learn the law from the "
+                  "policy's features and block drafters the sampled tokens either way, so they take 'sampled'). "
+                  "Rollouts TLT's engine does not make always go through a forward: TRL's vLLM or stock generation, "
+                  "and veRL's vLLM rollout, whose EAGLE-1 drafter learns from the actor's old-log-prob pass."},
     )
     drafter_warmup_prompts: int = field(
         default=0,
@@ -219,7 +220,7 @@ class RolloutServerSettings:
 
 
 # Settings only TRL's trainer has: veRL's rollout servers start from a saved drafter instead of warming one up.
-TRL_ONLY = ("drafter_targets", "drafter_warmup_prompts", "drafter_warmup_seconds", "drafter_warmup_lr")
+TRL_ONLY = ("drafter_warmup_prompts", "drafter_warmup_seconds", "drafter_warmup_lr")
 TRAINER_SETTINGS = (TLTConfig, DrafterSettings)  # TLTGRPOConfig's settings
 VERL_SETTINGS = (TLTConfig, DrafterSettings, RolloutServerSettings)  # the tlt: section's (less TRL_ONLY)
 

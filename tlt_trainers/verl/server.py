@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..drafter.base import Drafter
-from ..drafter.trainer import DrafterTrainer
+from ..drafter.trainer import DrafterTrainer, learns_policy_law
 from ..kinds.setup import rollout_drafter
 from ..online import train_slice
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
@@ -290,6 +290,11 @@ class TLTRolloutServer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
         self.drafter, self.trainer = self._make_drafter()
+        # An EAGLE-3 drafter learns the policy's next-token law, which one forward over each batch's rollouts gives
+        # (the engine's sink hands features and the sampled tokens only): drafter_targets
+        targets = self.settings.drafter_targets
+        self._learns_law = self.trainer is not None and (
+            targets == "law" or (targets == "auto" and learns_policy_law(self.drafter)))
         self.engine = SpeculativeGenerator(self.model, self.drafter, self.settings.tlt_config())
         self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed + replica_rank)
 
@@ -385,7 +390,10 @@ class TLTRolloutServer:
         # vLLM does), never a pad token the prompt does not have.
         ids, mask = left_pad(prompts, self.pad_id, own_token=law.uses_presence)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        sink = self.trainer.add_features if self.trainer is not None else None
+        answered: list[torch.Tensor] = []
+        sink = None
+        if self.trainer is not None:
+            sink = (lambda tokens, features: answered.append(tokens)) if self._learns_law else self.trainer.add_features
         with torch.no_grad():
             result = self.engine.generate(ids, attention_mask=mask,
                                           max_new_tokens=max(sampling.max_tokens for _, sampling in requests),
@@ -393,6 +401,8 @@ class TLTRolloutServer:
                                           top_p=law.top_p, min_p=law.min_p, repetition_penalty=law.repetition_penalty,
                                           eos_token_id=sorted(common), pad_token_id=self.pad_id,
                                           generator=self.generator, feature_sink=sink)
+        if answered:
+            self.trainer.add_token_rows(answered)
         self.counters.add(result.stats)
         self.rows_served += len(prompts)
         outputs = []
