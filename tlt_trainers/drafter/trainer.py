@@ -161,6 +161,13 @@ def learns_policy_law(drafter: Drafter) -> bool:
     return not regresses_features(drafter) and kind_of(drafter).training_loss is DrafterTrainer.autoregressive_loss
 
 
+def learns_law_by_forward(drafter: Drafter, targets: str) -> bool:
+    """The setting ``drafter_targets`` (``targets``) resolved for ``drafter``: whether the engine's finished rollouts
+    reach its buffer through one no-grad policy forward, which gives the law, instead of the engine's feature sink,
+    which gives features and the sampled tokens ('auto': where :func:`learns_policy_law`)."""
+    return targets == "law" or (targets == "auto" and learns_policy_law(drafter))
+
+
 def packs_sequences(attention: str, drafter: Drafter, device: torch.device) -> bool:
     """Whether drafter training packs its micro-batches for ``attention`` ('auto', 'packed' or 'padded').
 

@@ -43,7 +43,7 @@ from trl.trainer.utils import pad
 
 from .. import metric_names as metric
 from ..drafter.base import Drafter
-from ..drafter.trainer import TRAINER_STATE, learns_policy_law
+from ..drafter.trainer import TRAINER_STATE, learns_law_by_forward
 from ..kinds.setup import rollout_drafter
 from ..modeling.features import capture_features
 from ..online import (
@@ -232,8 +232,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             engine=_rollout_engine(self))
         # What the drafter learns from the engine's rollouts: the policy's law needs one forward over them (the
         # engine's sink hands features and the sampled tokens only)
-        targets = self.tlt_settings.drafter_targets
-        self._tlt_learns_law = targets == "law" or (targets == "auto" and learns_policy_law(self.drafter))
+        self._tlt_learns_law = learns_law_by_forward(self.drafter, self.tlt_settings.drafter_targets)
 
     @property
     def _tlt_trains_at_generation_end(self) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..drafter.base import Drafter
-from ..drafter.trainer import DrafterTrainer, learns_policy_law
+from ..drafter.trainer import DrafterTrainer, learns_law_by_forward
 from ..kinds.setup import rollout_drafter
 from ..online import train_slice
 from ..rollout.generator import IDLE_COST_TIMING_SHARE, SpeculativeGenerator
@@ -292,9 +292,8 @@ class TLTRolloutServer:
         self.drafter, self.trainer = self._make_drafter()
         # An EAGLE-3 drafter learns the policy's next-token law, which one forward over each batch's rollouts gives
         # (the engine's sink hands features and the sampled tokens only): drafter_targets
-        targets = self.settings.drafter_targets
-        self._learns_law = self.trainer is not None and (
-            targets == "law" or (targets == "auto" and learns_policy_law(self.drafter)))
+        self._learns_law = self.trainer is not None and learns_law_by_forward(self.drafter,
+                                                                               self.settings.drafter_targets)
         self.engine = SpeculativeGenerator(self.model, self.drafter, self.settings.tlt_config())
         self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed + replica_rank)
 
