@@ -238,3 +238,22 @@ def test_add_sequences_trims_padding_and_keeps_row_order(model):
         assert torch.allclose(ours.features, theirs.features, atol=1e-5)
     with pytest.raises(ValueError, match="must have input_ids' shape"):
         trainer.add_sequences(ids, mask[:, :-1])
+
+
+@pytest.mark.parametrize("speculation", ["never", "always"])
+def test_the_result_gives_the_rows_the_feature_sink_gets_even_where_pad_is_eos(model, speculation):
+    # With pad an EOS, sequences alone cannot tell where a completion ended; completion_lengths can. The rows a
+    # caller reads from the result (warm-up and veRL's server, learning the law by a forward) are the sink's.
+    drafter = EagleDrafter.from_target(model)
+    ids, mask = padded_prompts([3, 7, 5, 6], seed=4)
+    engine = SpeculativeGenerator(model, drafter, TLTConfig(speculation=speculation, num_speculative_tokens=3))
+    sunk = []
+    result = engine.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, temperature=1.0,
+                             eos_token_id=[EOS, *range(5, 13)], pad_token_id=6,
+                             generator=torch.Generator().manual_seed(3), feature_sink=lambda tokens, features: sunk.append(tokens.cpu()))
+    rows = result.token_rows(mask)
+    lengths = result.completion_lengths.tolist()
+    assert any(int(row[-1]) == 6 for row in rows)  # completions that end in the pad token (an EOS too)
+    assert sorted(map(tuple, map(torch.Tensor.tolist, rows))) == sorted(map(tuple, map(torch.Tensor.tolist, sunk)))
+    for row, prompt, keep, n in zip(rows, ids, mask.bool(), lengths):
+        assert torch.equal(row[: int(keep.sum())], prompt[keep]) and len(row) == int(keep.sum()) + n

@@ -149,10 +149,11 @@ def warmup_drafter(
     engine = SpeculativeGenerator(model, None, TLTConfig(speculation="never", show_progress=show_progress))
     eos, pad = _special_tokens(tokenizer, model)
     # An EAGLE-3 drafter learns the policy's next-token law, which one forward over the answers gives (the engine
-    # hands features and the sampled tokens only); other kinds take the engine's features as they come
+    # hands features and the sampled tokens only): the engine then captures no features at all. Other kinds take
+    # the engine's features as they come
     answers: list[torch.Tensor] = []
     law = learns_policy_law(drafter)
-    sink = (lambda tokens, features: answers.append(tokens.cpu())) if law else trainer.add_features
+    sink = None if law else trainer.add_features
     start = time.perf_counter()
     shares = [prompts[i :: len(temperatures)] for i in range(len(temperatures))]
     for temperature, share in zip(temperatures, shares):
@@ -161,8 +162,10 @@ def warmup_drafter(
             res = engine.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0, eos_token_id=eos,
                                   pad_token_id=pad, generator=torch.Generator().manual_seed(seed + offset),
-                                  feature_sink=sink, feature_layers=drafter.feature_layers)
+                                  feature_sink=sink, feature_layers=None if law else drafter.feature_layers)
             report.answer_tokens += res.stats.generated_tokens
+            if law:
+                answers.extend(res.token_rows(enc.attention_mask))
     give_back(engine)  # the sampling engine's cache and graphs: the drafter's training needs the memory
     if answers:
         trainer.add_token_rows(answers)

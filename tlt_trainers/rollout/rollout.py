@@ -34,6 +34,24 @@ from .stats import GenerationStats, StepTimer
 class GenerationResult:
     sequences: torch.LongTensor  # [B, P + T]: prompts as given, completions right-padded with pad_token_id
     stats: GenerationStats
+    completion_lengths: torch.LongTensor | None = None  # [B]: tokens each row generated (its EOS included)
+
+    def token_rows(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each row's prompt (the tokens ``attention_mask`` keeps; all of them without one) and its completion, on
+        the host: the rows a feature sink receives, read from the result. Where pad equals EOS, ``sequences`` alone
+        cannot tell a completion's end; ``completion_lengths`` does."""
+        if self.completion_lengths is None:
+            raise ValueError("This GenerationResult has no completion_lengths: make it with Rollout.finish.")
+        sequences, lengths = self.sequences.cpu(), self.completion_lengths.tolist()
+        prompt_width = sequences.shape[1] - max(lengths, default=0)  # the completions' width is the longest's
+        keep = None if attention_mask is None else attention_mask.bool().cpu()
+        rows = []
+        for i, n in enumerate(lengths):
+            prompt = sequences[i, :prompt_width]
+            if keep is not None:
+                prompt = prompt[keep[i]]
+            rows.append(torch.cat([prompt, sequences[i, prompt_width : prompt_width + n]]))
+        return rows
 
 
 class NonFiniteLogitsError(ValueError):
@@ -681,7 +699,7 @@ class Rollout:
             self.engine.save_costs()
         width = int(self.lengths.max())
         sequences = torch.cat([self.input_ids, self.completions[:, :width]], dim=1)
-        return GenerationResult(sequences=sequences, stats=self.stats)
+        return GenerationResult(sequences=sequences, stats=self.stats, completion_lengths=self.lengths.clone())
 
     @torch.no_grad()
     def run(self) -> GenerationResult:

@@ -389,10 +389,7 @@ class TLTRolloutServer:
         # vLLM does), never a pad token the prompt does not have.
         ids, mask = left_pad(prompts, self.pad_id, own_token=law.uses_presence)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        answered: list[torch.Tensor] = []
-        sink = None
-        if self.trainer is not None:
-            sink = (lambda tokens, features: answered.append(tokens)) if self._learns_law else self.trainer.add_features
+        sink = self.trainer.add_features if self.trainer is not None and not self._learns_law else None
         with torch.no_grad():
             result = self.engine.generate(ids, attention_mask=mask,
                                           max_new_tokens=max(sampling.max_tokens for _, sampling in requests),
@@ -400,8 +397,8 @@ class TLTRolloutServer:
                                           top_p=law.top_p, min_p=law.min_p, repetition_penalty=law.repetition_penalty,
                                           eos_token_id=sorted(common), pad_token_id=self.pad_id,
                                           generator=self.generator, feature_sink=sink)
-        if answered:
-            self.trainer.add_token_rows(answered)
+        if self._learns_law:
+            self.trainer.add_token_rows(result.token_rows(mask))
         self.counters.add(result.stats)
         self.rows_served += len(prompts)
         outputs = []
