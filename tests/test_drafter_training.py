@@ -250,7 +250,8 @@ def test_the_result_gives_the_rows_the_feature_sink_gets_even_where_pad_is_eos(m
     sunk = []
     result = engine.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, temperature=1.0,
                              eos_token_id=[EOS, *range(5, 13)], pad_token_id=6,
-                             generator=torch.Generator().manual_seed(3), feature_sink=lambda tokens, features: sunk.append(tokens.cpu()))
+                             generator=torch.Generator().manual_seed(3),
+                             feature_sink=lambda tokens, features: sunk.append(tokens.cpu()))
     rows = result.token_rows(mask)
     lengths = result.completion_lengths.tolist()
     assert any(int(row[-1]) == 6 for row in rows)  # completions that end in the pad token (an EOS too)
