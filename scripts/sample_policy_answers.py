@@ -8,7 +8,10 @@ generates offline except the held-out families, five instructions, short and lon
 a second turn for a share of the chat and code conversations (a follow-up to the policy's own first answer). Answers
 are greedy and sampled at 0.6, 0.8 and 1.0 in turn, up to ``--max-tokens``. Shard k draws its prompts with seed
 1000 + k (evaluation uses seed 7 and the held-out families), so shards add up: rerun with a larger ``--shards`` to
-append more, on any machine; the manifest records each shard's machine, vLLM, dtype, seconds and token counts.
+append more, on any machine; the manifest records each shard's machine, vLLM, dtype, seconds and token counts, and
+its ``command`` samples each run of shards the way it was sampled. ``--dtype bfloat16`` is the fast choice on a CPU
+with native bfloat16 (AMX), float32 elsewhere; the float32 policy scores bfloat16 answers much as it scores its own
+(benchmarks/bench_answer_dtype.py).
 The drafter trains from the folder with ``python scripts/train_shipped_drafter.py train --data DIR``.
 """
 
@@ -114,6 +117,22 @@ def sample_shard(llm, tokenizer, index: int, args) -> tuple[list, dict]:
     return results, info
 
 
+def regeneration_command(shards: dict[str, dict], out) -> str:
+    """The commands that sample ``shards`` again: one per run of consecutive shards sampled alike (dtype, answer
+    length, prompts per shard), each asking for the shards up to its run's end (a rerun adds only the missing)."""
+    runs: list[tuple[tuple, int]] = []
+    for k, name in enumerate(sorted(shards)):
+        info = shards[name]
+        how = (info["dtype"], info["max_tokens"], info.get("prompts_per_shard", 512))
+        if runs and runs[-1][0] == how:
+            runs[-1] = (how, k + 1)
+        else:
+            runs.append((how, k + 1))
+    return " && ".join(f"python scripts/sample_policy_answers.py --out {out} --shards {end} --prompts-per-shard "
+                       f"{per_shard} --max-tokens {max_tokens} --dtype {dtype}"
+                       for (dtype, max_tokens, per_shard), end in runs)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from tlt_trainers.vllm import in_process_cpu_environment
@@ -148,7 +167,8 @@ def main(argv=None) -> None:
         answers, info = sample_shard(llm, tokenizer, k, args)
         name = f"shard-{k:04d}.npz"
         write_shard(out / name, answers)
-        info.update(dtype=args.dtype, max_tokens=args.max_tokens, vllm=vllm.__version__, machine=where,
+        info.update(dtype=args.dtype, max_tokens=args.max_tokens, prompts_per_shard=args.prompts_per_shard,
+                    vllm=vllm.__version__, machine=where,
                     max_num_seqs=args.max_num_seqs, kv_cache_gib=float(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
                     bytes=(out / name).stat().st_size)
         manifest["shards"][name] = info
@@ -157,9 +177,7 @@ def main(argv=None) -> None:
         manifest["answer_tokens"] = sum(s["answer_tokens"] for s in totals)
         manifest["conversations"] = sum(s["conversations"] for s in totals)
         shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
-        manifest["command"] = (f"python scripts/sample_policy_answers.py --out {shown} "
-                               f"--shards {len(manifest['shards'])} --prompts-per-shard {args.prompts_per_shard} "
-                               f"--max-tokens {args.max_tokens} --dtype {args.dtype}")
+        manifest["command"] = regeneration_command(manifest["shards"], shown)
         path.write_text(json.dumps(manifest, indent=1) + "\n")
         print(f"{name}: {info['conversations']} conversations, {info['answer_tokens']} answer tokens in "
               f"{info['seconds']:.0f}s ({info['answer_tokens_per_second']:.0f} tokens/s); the folder holds "

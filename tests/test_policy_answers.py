@@ -79,3 +79,20 @@ def test_the_committed_answers_are_what_the_manifest_says():
     temperatures = collections.Counter(a.temperature for a in answers)
     assert set(temperatures) == set(manifest["temperatures"])
     assert {a.source.split(":")[0].split("+")[0] for a in answers} >= {"task", "chat", "chat-long", "code"}
+
+
+def test_the_manifest_command_samples_each_run_of_shards_as_it_was_sampled():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_policy_answers",
+                                                  DATA.parents[1] / "scripts" / "sample_policy_answers.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shards = {f"shard-{k:04d}.npz": {"dtype": dtype, "max_tokens": 256}
+              for k, dtype in enumerate(["float32"] * 3 + ["bfloat16"] * 2)}
+    assert script.regeneration_command(shards, "DIR") == (
+        "python scripts/sample_policy_answers.py --out DIR --shards 3 --prompts-per-shard 512 --max-tokens 256 "
+        "--dtype float32 && python scripts/sample_policy_answers.py --out DIR --shards 5 --prompts-per-shard 512 "
+        "--max-tokens 256 --dtype bfloat16")
+    manifest = read_manifest(DATA)  # the committed folder's command is what its shards say
+    assert manifest["command"] == script.regeneration_command(manifest["shards"], "data/" + DATA.name)
