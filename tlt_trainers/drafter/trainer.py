@@ -29,6 +29,7 @@ from torch import nn
 
 from ..kernels.packed_attention import PackedSequences, flash_varlen_available
 from ..modeling.features import capture_features
+from ..modeling.host_memory import release_freed_host_memory
 from ..modeling.target import TargetModel
 from .base import Drafter
 from .buffer import BufferedSequence, FeatureBuffer
@@ -317,6 +318,9 @@ class DrafterTrainer:
                 if item is not None:
                     self.add_features(*item)
                     added += 1
+            del features
+            if device.type == "cpu":  # the block's activations, freed between kept features (modeling/host_memory.py)
+                release_freed_host_memory()
         return added
 
     def add_features(self, tokens: torch.Tensor, features: torch.Tensor, final: torch.Tensor | None = None) -> None:
