@@ -344,7 +344,10 @@ def test_a_bfloat16_buffer_holds_the_features_in_half_the_memory_and_the_cache_s
 
     half = trainer(torch.bfloat16)  # computes the features: the cache still gets the policy's float32 ones
     cache = FeatureCache.for_trainer(tmp_path, half)
-    assert cache.fill(half, rows, batch_rows=2) == {"cached": 0, "computed": 5}
+    float32_held = []  # by the pass's own buffer after each batch is saved: none (a folder's would not fit)
+    assert cache.fill(half, rows, batch_rows=2, on_batch=lambda done, total: float32_held.append(
+        len(half.buffer.sequences))) == {"cached": 0, "computed": 5}
+    assert float32_held == [0, 0, 0]
     assert torch.load(cache.path(rows[0]))["features"].dtype == torch.float32
     full = trainer(None)
     assert cache.fill(full, rows, batch_rows=2) == {"cached": 5, "computed": 0}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -26,6 +25,13 @@ import torch
 from ..modeling.target import policy_fingerprint
 from .buffer import BufferedSequence
 from .trainer import TARGET_TOP_K, regresses_features, shortest_first, token_rows
+
+
+def held(sequence: BufferedSequence, feature_dtype: torch.dtype | None) -> BufferedSequence:
+    """``sequence`` with its features in ``feature_dtype`` (as it is for None): what a buffer of that dtype keeps."""
+    if feature_dtype is None or sequence.features.dtype == feature_dtype:
+        return sequence
+    return dataclasses.replace(sequence, features=sequence.features.to(feature_dtype))
 
 
 def _digest(data: bytes) -> str:
@@ -77,8 +83,9 @@ class FeatureCache:
             raise ValueError(f"{short} conversations have fewer than two tokens: nothing to learn from; leave them "
                              "out of the data.")
         order = shortest_first(rows)  # add_token_rows' order, so a run samples the same batches either way
-        # Only the missing ones are held while they are computed; the cached ones are read one at a time as they go
-        # into the buffer (which may keep them in a smaller dtype), so memory holds the data once, not twice.
+        # The missing ones are computed a batch at a time, saved, and held in the buffer's dtype until their turn;
+        # the cached ones are read one at a time as they go into the buffer, so memory holds the data once, in the
+        # buffer's dtype (a float32 copy of a whole folder's features would not fit beside a bfloat16 buffer).
         missing = [i for i in order if not self.path(rows[i]).is_file()]
         computed: dict[int, BufferedSequence] = {}
         buffer = trainer.buffer
@@ -88,9 +95,10 @@ class FeatureCache:
 
             def save_batch(done: int, total: int) -> None:
                 nonlocal saved
-                for i, sequence in zip(missing[saved:done], itertools.islice(fresh.sequences, saved, done)):
+                for i, sequence in zip(missing[saved:done], fresh.sequences, strict=True):
                     self.save(rows[i], sequence)
-                    computed[i] = sequence
+                    computed[i] = held(sequence, buffer.feature_dtype)
+                fresh.clear()
                 saved = done
                 if on_batch is not None:
                     on_batch(done, total)
