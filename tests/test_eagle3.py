@@ -330,6 +330,22 @@ def test_a_feature_pass_killed_midway_keeps_its_finished_batches(model, tmp_path
         cache.fill(resumed, [torch.tensor([5])])
 
 
+def test_reading_cached_features_gives_the_freed_host_memory_back_as_it_goes(model, tmp_path, monkeypatch):
+    import tlt_trainers.drafter.feature_cache as feature_cache
+
+    rows = [torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 13, 6, 11)]
+    trainer = DrafterTrainer(Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS), model)
+    cache = feature_cache.FeatureCache.for_trainer(tmp_path, trainer)
+    cache.fill(trainer, rows)
+    released = []  # the buffer's size at each release: every RELEASE_EVERY conversations read, and at the end
+    monkeypatch.setattr(feature_cache, "RELEASE_EVERY", 2)
+    monkeypatch.setattr(feature_cache, "release_freed_host_memory",
+                        lambda collect_garbage: released.append((len(again.buffer), collect_garbage)))
+    again = DrafterTrainer(trainer.drafter, model)
+    assert cache.fill(again, rows) == {"cached": 5, "computed": 0}
+    assert released == [(2, True), (4, True), (5, True)]
+
+
 def test_a_bfloat16_buffer_holds_the_features_in_half_the_memory_and_the_cache_stays_float32(model, tmp_path):
     from tlt_trainers.drafter.buffer import FeatureBuffer
     from tlt_trainers.drafter.feature_cache import FeatureCache

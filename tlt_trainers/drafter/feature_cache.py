@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.host_memory import release_freed_host_memory
 from ..modeling.target import policy_fingerprint
 from .buffer import BufferedSequence
 from .trainer import TARGET_TOP_K, regresses_features, shortest_first, token_rows
+
+RELEASE_EVERY = 64  # conversations read into the buffer between two releases of the freed host memory
 
 
 def held(sequence: BufferedSequence, feature_dtype: torch.dtype | None) -> BufferedSequence:
@@ -110,8 +113,10 @@ class FeatureCache:
             finally:
                 trainer.buffer = buffer
             fresh.clear()
-        for i in order:
+        for k, i in enumerate(order, start=1):
             s = computed.pop(i) if i in computed else self.load(rows[i])
             targets = None if s.target_ids is None else (s.target_ids, s.target_probs)
             buffer.add(s.tokens, s.features, targets)
+            if k % RELEASE_EVERY == 0 or k == len(order):  # the files read, freed between kept sequences
+                release_freed_host_memory(collect_garbage=True)
         return {"cached": len(rows) - len(missing), "computed": len(missing)}
