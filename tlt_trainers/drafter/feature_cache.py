@@ -118,5 +118,5 @@ class FeatureCache:
             targets = None if s.target_ids is None else (s.target_ids, s.target_probs)
             buffer.add(s.tokens, s.features, targets)
             if k % RELEASE_EVERY == 0 or k == len(order):  # the files read, freed between kept sequences
-                release_freed_host_memory(collect_garbage=True)
+                release_freed_host_memory()
         return {"cached": len(rows) - len(missing), "computed": len(missing)}

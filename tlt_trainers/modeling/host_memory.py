@@ -1,13 +1,13 @@
 """Giving freed host memory back to the system, which glibc's allocator otherwise keeps.
 
 A policy forward on a CPU allocates and frees activations of a few megabytes each, while the drafter's buffer keeps
-each conversation's features, allocated between them. glibc serves the transient blocks from its heap once its
-dynamic mmap threshold has risen (it does after the first large free) and returns a heap's free pages to the system
-only from its top, which the kept tensors pin: the process grows by the transients of every batch. A feature pass
-over a few thousand conversations under bfloat16 autocast on a Xeon held 24 GB for 1 GB of buffered features, and
-the pass over a whole data folder would have run out of memory; ``malloc_trim(0)`` after each batch gives the free
-pages back and keeps the process near its live tensors. PyTorch's CPU docs recommend jemalloc or tcmalloc for the
-same reason; this needs neither.
+each conversation's features, allocated between them; reading cached features does the same with each file's float32
+copy. glibc serves these transient blocks from its heap once its dynamic mmap threshold has risen (it does after the
+first large free) and returns a heap's free pages to the system only from its top, which the kept tensors pin: the
+process grows by the transients of every batch, by several times the features it keeps, until a feature pass over a
+data folder runs out of memory. ``malloc_trim(0)`` after each batch gives the free pages back and keeps the process
+near its live tensors. PyTorch's CPU performance guide recommends jemalloc or tcmalloc for the same reason; this
+needs neither.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 
 
 @functools.cache
@@ -30,13 +29,9 @@ def _malloc_trim():
         return None
 
 
-def release_freed_host_memory(collect_garbage: bool = False) -> bool:
+def release_freed_host_memory() -> bool:
     """Return the allocator's free pages to the system (glibc's ``malloc_trim(0)``); False where it cannot.
-    ``collect_garbage``: first free what only Python's cycle collector would (``torch.load`` leaves each file's
-    tensors in reference cycles, which the collector, counting objects and not bytes, reaches late). Costs
-    milliseconds: call it after a batch of work, not inside one."""
-    if collect_garbage:
-        gc.collect()
+    Costs milliseconds: call it after a batch of work, not inside one."""
     trim = _malloc_trim()
     if trim is None:
         return False
