@@ -65,3 +65,19 @@ def test_a_feature_pass_on_the_cpu_releases_after_each_block(monkeypatch):
     ids, mask = padded_prompts([5, 7, 4] * 30, seed=1)  # 90 rows: two blocks of at most 64
     trainer.add_sequences(ids, mask)
     assert calls == [64, 90]
+
+
+def test_drafter_training_on_the_cpu_releases_every_few_micro_steps(monkeypatch):
+    from tiny_models import padded_prompts, tiny_model
+
+    import tlt_trainers.drafter.trainer as trainer_module
+    from tlt_trainers import DrafterTrainer, EagleDrafter
+
+    model = tiny_model("llama")
+    trainer = DrafterTrainer(EagleDrafter.from_target(model), model, micro_batch_size=2)
+    trainer.add_sequences(*padded_prompts([5, 7, 4, 6], seed=1))
+    released = []
+    monkeypatch.setattr(trainer_module, "RELEASE_EVERY_STEPS", 3)
+    monkeypatch.setattr(trainer_module, "release_freed_host_memory", lambda: released.append(trainer.step))
+    trainer.train(max_steps=7)
+    assert released == [3, 6]

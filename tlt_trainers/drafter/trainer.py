@@ -45,6 +45,11 @@ ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 TARGET_TOP_K = 16  # the policy's most likely next tokens kept per position as a token-only drafter's target
 
 
+# On a CPU, micro-steps between two releases of freed host memory (modeling/host_memory.py): each release costs the
+# next step its pages again, and between releases the heap grows by the steps' transients
+RELEASE_EVERY_STEPS = 16
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
     AMX-BF16 (elsewhere bfloat16 matmuls on a CPU are emulated and slower than float32)."""
@@ -578,6 +583,8 @@ class DrafterTrainer:
                 self.optimizer.step()
                 steps += 1
                 self.step += 1
+                if device_type == "cpu" and self.step % RELEASE_EVERY_STEPS == 0:
+                    release_freed_host_memory()  # the steps' transients, freed between what lives on (host_memory.py)
                 for key in ("loss", "feature_loss", "token_loss", "top1"):
                     sums[key] = sums.get(key, 0.0) + metrics[key]
                 for d, value in enumerate(metrics["top1_by_step"]):
