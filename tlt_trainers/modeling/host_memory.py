@@ -3,12 +3,12 @@
 A policy forward on a CPU allocates and frees activations of a few megabytes each, while the drafter's buffer keeps
 each conversation's features, allocated between them; reading cached features does the same with each file's float32
 copy, and so does training, whose micro-steps free their batches and activations between the optimizer's and the
-metrics' small allocations. glibc serves these transient blocks from its heap once its dynamic mmap threshold has risen (it does after the
-first large free) and returns a heap's free pages to the system only from its top, which the kept tensors pin: the
-process grows by the transients of every batch, by several times the features it keeps, until a feature pass over a
-data folder runs out of memory. ``malloc_trim(0)`` after each batch gives the free pages back and keeps the process
-near its live tensors. PyTorch's CPU performance guide recommends jemalloc or tcmalloc for the same reason; this
-needs neither.
+metrics' small allocations. glibc serves these transient blocks from its heap once its dynamic mmap threshold has
+risen (it does after the first large free) and returns a heap's free pages to the system only from its top, which
+the kept tensors pin: the process grows by the transients of every batch, by several times the features it keeps,
+until a feature pass over a data folder runs out of memory. ``malloc_trim(0)`` after a batch gives the free pages
+back and keeps the process near its live tensors. PyTorch's CPU performance guide recommends jemalloc or tcmalloc
+for the same reason; this needs neither.
 """
 
 from __future__ import annotations
