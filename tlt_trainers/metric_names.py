@@ -23,7 +23,10 @@ DRAFTER_UPDATE_SECONDS = "tlt/drafter_update_seconds"  # drafter training after 
 DRAFTER_STEPS = "tlt/drafter_steps"  # drafter optimizer steps in this update
 DRAFTER_TOTAL_STEPS = "tlt/drafter_total_steps"  # drafter optimizer steps so far
 DRAFTER_LOSS = "tlt/drafter_loss"
-DRAFTER_TOP1 = "tlt/drafter_top1"  # the drafter's first-token agreement with the policy on its training data
+# the drafter's first-token agreement on its training data: with the policy's most likely token where it learns the
+# law (drafter_targets="law"), with the token the rollout sampled where it learns those ("sampled", block drafters):
+# at temperature 1 the second reads lower and can rise while acceptance does not (docs/settings.md)
+DRAFTER_TOP1 = "tlt/drafter_top1"
 DRAFTER_BUFFER_SEQUENCES = "tlt/drafter_buffer_sequences"  # rollouts held for drafter training
 DRAFTER_TRIGGER_IDLE = "tlt/drafter_trigger_idle"  # 1 when the update trained in idle time
 DRAFTER_SYNC_SECONDS = "tlt/drafter_sync_seconds"  # bringing every rank (replica) the same drafter
