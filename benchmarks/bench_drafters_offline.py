@@ -89,8 +89,8 @@ def main() -> None:
                                  "by_step": by_step})
                     print(f"  {name}: {result[key]:.3f} (first draft {by_step[0]:.3f})", flush=True)
     table = print_table(["drafter", "prompt set", "T", "offline acceptance (chain of 4)", "first draft"],
-                        [[r["drafter"], r["prompt_set"], r["temperature"], round(r["estimated_acceptance_length"], 3),
-                          round(r["first_draft"], 3)] for r in rows])
+                        [[r["drafter"], r["prompt_set"], r["temperature"], f'{r["estimated_acceptance_length"]:.3f}',
+                          f'{r["first_draft"]:.3f}'] for r in rows])
     path = write_results(args.out, {"args": vars(args), "drafters": sources, "answers": answers, "rows": rows,
                                     "table": table})
     print(f"wrote {path}")

@@ -280,8 +280,18 @@ def card_measurement(results_path: Path, row_name: str = SHIPPED_ROW) -> dict:
     held_out = {"seeds": ", prompts held out by seed", "families": ", prompts of held-out task families"}.get(
         prompt_set, "")
     return {"machine": f"{machine['cpu']}, {machine['cpus']} CPUs{held_out}", "results": str(rel),
-            "source": f"Measured by `{results['command']}` on held-out prompts, {machine['date']}.",
+            "source": f"Measured by `{results['command']}` on held-out prompts, {machine['date']}."
+                      + trained_folder_said(results["command"]),
             "acceptance": rows, "speedups": speedups}
+
+
+def trained_folder_said(command: str) -> str:
+    """A card's words for a measured command that named a trained drafter's folder on the machine it ran on: a reader
+    has no such folder, and the weights it held are the ones shipped (row ``eagle3 trained`` / ``block trained``)."""
+    flags = command.split()
+    folders = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag in ("--eagle3-drafter", "--block-drafter")]
+    return "".join(f" `{folder}` was the trained drafter's folder on that machine; these are its weights, so without "
+                   f"the flag the same command measures them as shipped." for folder in folders)
 
 
 def where_it_pays(measurements: list[dict]) -> str:

@@ -116,6 +116,8 @@ def test_model_card_figures_are_those_of_the_results_files_it_names(folder):
         held_out = HELD_OUT[results["args"].get("prompt_set")]
         assert machine_named == f"{machine['cpu']}, {machine['cpus']} CPUs{held_out}"
         assert f"`{results['command']}`" in body and machine["date"] in body
+        for trained in re.findall(r"--(?:eagle3|block)-drafter (\S+)", results["command"]):
+            assert f"`{trained}` was the trained drafter's folder" in body  # a local path no reader has: said so
         rows = {(r["temperature"], r["batch"]): r for r in results["rows"] if r["drafter"] == CARDS[folder]}
         table = TABLE_ROW.findall(body)
         assert len(table) == len(rows) == 4, name  # greedy and T=1, batch 1 and 4
