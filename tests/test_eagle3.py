@@ -95,6 +95,37 @@ def test_training_caches_the_policy_targets_and_learns(model, rollouts):
     assert model.get_output_embeddings().weight.grad is None
 
 
+def test_a_deferred_law_is_computed_on_first_training_and_is_the_law_computed_on_arrival(model, rollouts):
+    """``add_features(defer_law=True)`` (TRL's vLLM path) keeps the final states and computes nothing on the
+    rollout's path; the first micro-batch that reads a sequence computes exactly the law an eager add caches, the
+    buffer's byte count follows, and training is then the same. Fails if the law is computed on arrival, or never."""
+    seqs, mask = rollouts
+    with capture_features(model.get_decoder(), tuple(LAYERS)) as captured:
+        model.get_decoder()(input_ids=seqs, attention_mask=mask)
+    features, final = captured[0]
+    trainers = []
+    for defer in (False, True):
+        torch.manual_seed(1)
+        trainer = DrafterTrainer(Eagle3Drafter.from_target(model, aux_layer_ids=LAYERS), model, lr=3e-3,
+                                 unroll_steps=2, seed=0)
+        for row, keep in enumerate(mask.bool()):
+            trainer.add_features(seqs[row][keep], features[row][keep][:-1], final[row][keep], defer_law=defer)
+        trainers.append(trainer)
+    eager, deferred = trainers
+    pending = deferred.buffer.sequences[0]
+    assert pending.target_ids is None and pending.final.shape == (pending.features.shape[0], 32)
+    assert deferred.buffer.nbytes > eager.buffer.nbytes  # the final states count against the buffer's cap
+    first = deferred.train(max_steps=1)
+    settled = sum(s.final is None for s in deferred.buffer.sequences)
+    assert 0 < settled <= deferred.micro_batch_size < len(deferred.buffer)  # only what the micro-step read
+    assert first["steps"] == 1 and eager.train(max_steps=1)["loss"] == pytest.approx(first["loss"], abs=1e-6)
+    deferred.evaluate()  # reads every sequence
+    assert deferred.buffer.nbytes == eager.buffer.nbytes
+    for a, b in zip(eager.buffer.sequences, deferred.buffer.sequences, strict=True):
+        assert b.final is None and torch.equal(a.target_ids, b.target_ids) and torch.equal(a.target_probs,
+                                                                                           b.target_probs)
+
+
 def test_engine_features_train_on_the_sampled_tokens(model):
     """Rollouts from the engine's verify passes carry the aux features (no extra forward) and no cached law:
     the drafter learns the tokens the policy drew."""

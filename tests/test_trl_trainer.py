@@ -189,8 +189,9 @@ def test_an_eagle3_drafter_learns_the_policys_law_from_the_engines_rollouts(tmp_
     sequences = list(trainer.drafter_trainer.buffer.sequences)
     assert len(sequences) == 4  # the step's rollouts, each once
     if targets == "sampled":
-        assert all(seq.target_ids is None for seq in sequences)
+        assert all(seq.target_ids is None and seq.final is None for seq in sequences)
         return
+    trainer.drafter_trainer.settle_laws(sequences)  # deferred to training: any the one micro-step did not read
     for seq in sequences:
         assert seq.target_ids.shape == (seq.features.shape[0], TARGET_TOP_K)
         with torch.no_grad():

@@ -18,15 +18,19 @@ import torch
 class BufferedSequence:
     tokens: torch.Tensor  # [L + 1]: tokens[t + 1] follows features[t]
     features: torch.Tensor  # [L, F] the policy's features the drafter reads (final hidden states for EAGLE-1)
-    # The policy's next-token law at t + 1 (what a draft made at t should match), computed once when the sequence
-    # arrives: its top-k token ids [L, k] and probabilities [L, k] (the last row: the law after the last token).
-    # None: train on the tokens themselves.
+    # The policy's next-token law at t + 1 (what a draft made at t should match), computed once: its top-k token ids
+    # [L, k] and probabilities [L, k] (the last row: the law after the last token). None: not computed yet (below),
+    # or train on the tokens themselves.
     target_ids: torch.Tensor | None = None
     target_probs: torch.Tensor | None = None
+    # Or the policy's final hidden states at t + 1 [L, H], from which the trainer computes that law the first time a
+    # micro-batch reads the sequence (a deferred law: its cost lands in the drafter's training budget, and a sequence
+    # the drafter never trains on never pays it). None once computed, or where there is no law to learn.
+    final: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.tokens, self.features, self.target_ids, self.target_probs)
+        tensors = (self.tokens, self.features, self.target_ids, self.target_probs, self.final)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -71,9 +75,10 @@ class FeatureBuffer:
         return sum(seq.features.shape[0] for seq in self.sequences)
 
     def add(self, tokens: torch.Tensor, features: torch.Tensor,
-            targets: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            targets: tuple[torch.Tensor, torch.Tensor] | None = None, final: torch.Tensor | None = None) -> None:
         """Add one sequence: ``tokens`` [L + 1], ``features`` [L, F] and optionally the policy's top-k
-        ``targets`` (ids [L, k], probabilities [L, k]); detached, stored on ``device``."""
+        ``targets`` (ids [L, k], probabilities [L, k]) or the ``final`` hidden states [L, H] they are computed from
+        later (:meth:`settle_law`); detached, stored on ``device``."""
         if tokens.dim() != 1 or features.dim() != 2 or tokens.shape[0] != features.shape[0] + 1:
             raise ValueError(
                 f"FeatureBuffer.add needs tokens [L+1] and features [L, H]; got {tuple(tokens.shape)} and "
@@ -82,6 +87,9 @@ class FeatureBuffer:
         if targets is not None and (targets[0].shape != targets[1].shape or targets[0].shape[0] != features.shape[0]):
             raise ValueError(f"FeatureBuffer.add needs targets ids and probabilities [L, k] for L="
                              f"{features.shape[0]}; got {tuple(targets[0].shape)} and {tuple(targets[1].shape)}.")
+        if final is not None and (targets is not None or final.shape[0] != features.shape[0]):
+            raise ValueError(f"FeatureBuffer.add takes targets or the final states [L, H] they come from, not both, "
+                             f"for L={features.shape[0]}; got final {tuple(final.shape)}.")
         if features.shape[0] == 0:
             return
         start = max(0, features.shape[0] - self.max_tokens)  # keep the most recent window of each sequence
@@ -91,7 +99,7 @@ class FeatureBuffer:
             return None if t is None else t[start:].detach().to(device=device, dtype=dtype)
 
         ids, probs = targets if targets is not None else (None, None)
-        item = BufferedSequence(keep(tokens), keep(features, self.feature_dtype), keep(ids), keep(probs))
+        item = BufferedSequence(keep(tokens), keep(features, self.feature_dtype), keep(ids), keep(probs), keep(final))
         self._count(item.tokens)
         self.sequences.append(item)
         self.nbytes += item.nbytes
@@ -119,6 +127,18 @@ class FeatureBuffer:
         # Stable order: by count descending, then id ascending.
         order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
         return order[:count]
+
+    def settle_law(self, sequence: BufferedSequence, targets: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Replace a buffered sequence's deferred final states with the law computed from them (ids, probabilities
+        [L, k]), and count the bytes it now holds."""
+        if sequence.final is None:
+            raise ValueError("settle_law: this sequence's law is not deferred (it has no final states).")
+        before = sequence.nbytes
+        device = sequence.final.device  # the buffer's, where the law may have been computed elsewhere
+        ids, probs = (t.detach().to(device) for t in targets)
+        sequence.target_ids, sequence.target_probs, sequence.final = ids, probs, None
+        if any(item is sequence for item in self.sequences):
+            self.nbytes += sequence.nbytes - before
 
     def sample(self, count: int, generator: torch.Generator | None = None) -> list[BufferedSequence]:
         index = torch.randint(len(self.sequences), (count,), generator=generator)

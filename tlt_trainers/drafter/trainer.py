@@ -283,8 +283,10 @@ class DrafterTrainer:
         return added
 
     @torch.no_grad()
-    def add_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk: int = 8) -> int:
-        """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer.
+    def add_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk: int = 8,
+                      defer_law: bool = False) -> int:
+        """One no-grad policy forward over [N, L] sequences; their real tokens and features enter the buffer
+        (``defer_law``: as :meth:`add_features`).
 
         Rows run in chunks of similar length, each cut to the columns its rows use: long-tailed rollouts padded
         to the longest answer are mostly padding, and a forward over it would cost more than the rows' own
@@ -321,19 +323,24 @@ class DrafterTrainer:
                         features[row - first_row] = (tokens, hidden[i][keep][:-1], final[i][keep])
             for item in features:
                 if item is not None:
-                    self.add_features(*item)
+                    self.add_features(*item, defer_law=defer_law)
                     added += 1
             del features
             if device.type == "cpu":  # the block's activations, freed between kept features (modeling/host_memory.py)
                 release_freed_host_memory()
         return added
 
-    def add_features(self, tokens: torch.Tensor, features: torch.Tensor, final: torch.Tensor | None = None) -> None:
+    def add_features(self, tokens: torch.Tensor, features: torch.Tensor, final: torch.Tensor | None = None,
+                     defer_law: bool = False) -> None:
         """Add one rollout whose features a pass that ran anyway computed (no extra forward).
 
         ``tokens`` [L + 1], ``features`` [L, F]; ``final`` [L + 1, H], the policy's final hidden states of all
         tokens, lets a token-only (EAGLE-3) drafter learn the policy's whole next-token law instead of the one
-        token that was drawn from it.
+        token that was drawn from it. ``defer_law``: keep the final states and compute the law (an LM-head pass over
+        every position) the first time a micro-batch reads the sequence, inside the training that a budget limits,
+        instead of now, on the rollout's path: what an online update does, whose buffer mostly holds sequences it
+        may never train on. The law is then the policy head's at that time (one update later at most, for a
+        sequence the update after its rollout trains on).
         """
         if features.shape[-1] != self.drafter.feature_size:
             raise ValueError(
@@ -345,8 +352,20 @@ class DrafterTrainer:
         tokens, features = tokens[start:], features[start:]
         targets = None
         if final is not None and not regresses_features(self.drafter):
+            if defer_law:
+                self.buffer.add(tokens, features, final=final[start + 1 :])
+                return
             targets = policy_targets(self.target, final[start + 1 :])
         self.buffer.add(tokens, features, targets)
+
+    @torch.no_grad()
+    def settle_laws(self, sequences: Sequence[BufferedSequence]) -> None:
+        """Compute the deferred laws of ``sequences`` (``add_features(defer_law=True)``) from their final states."""
+        weight = self.target.head.weight
+        for sequence in sequences:
+            if sequence.final is not None:  # a sequence sampled twice in one batch is settled once
+                final = sequence.final.to(device=weight.device, dtype=weight.dtype)
+                self.buffer.settle_law(sequence, policy_targets(self.target, final))
 
     def rebuild_draft_vocab(self) -> torch.Tensor | None:
         """Draft over the most frequent tokens seen so far (no-op for a full-vocabulary drafter)."""
@@ -359,6 +378,7 @@ class DrafterTrainer:
     # ------------------------------------------------------------------ training
     def _batch(self, sequences: list[BufferedSequence]) -> DrafterBatch:
         """A micro-batch, packed end to end (:attr:`packed`) or padded to its longest sequence."""
+        self.settle_laws(sequences)
         return self._packed_batch(sequences) if self.packed else self._padded_batch(sequences)
 
     def _padded_batch(self, sequences: list[BufferedSequence]) -> DrafterBatch:

@@ -341,8 +341,9 @@ class TLTGRPOTrainer(GRPOTrainer):
 
     def _tlt_learn_from(self, prompt_ids, completion_ids) -> None:
         """Rollouts enter the drafter's buffer through one no-grad forward of the policy, which gives their features
-        and the policy's next-token law: rollouts generated the stock way, and TLT's engine's where the drafter
-        learns the law (``drafter_targets``; otherwise the engine hands over features from its own passes)."""
+        and the final states of the policy's next-token law (computed when an update first trains on a rollout):
+        rollouts generated the stock way, and TLT's engine's where the drafter learns the law (``drafter_targets``;
+        otherwise the engine hands over features from its own passes)."""
         if not (self.model.training and self.drafter_trainer is not None and completion_ids):
             return
         rows = [torch.tensor(list(p) + list(c)) for p, c in zip(prompt_ids, completion_ids)]
@@ -351,7 +352,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         with self._tlt_unwrapped() as unwrapped:
             policy = _policy_of(unwrapped)
             with self._tlt_autocast(policy):
-                self.drafter_trainer.add_sequences(input_ids, attention_mask)
+                self.drafter_trainer.add_sequences(input_ids, attention_mask, defer_law=True)  # law: when trained
 
     def _tool_call_loop(self, *args, **kwargs):
         # The loop calls _generate_single_turn a data-dependent number of times per rank: no collective in there.
@@ -566,8 +567,9 @@ class TLTGRPOTrainer(GRPOTrainer):
         features = torch.cat([pair[0] for pair in captured], dim=0)
         final = torch.cat([pair[1] for pair in captured], dim=0)
         for row, mask in enumerate(attention_mask.bool()):
-            tokens = input_ids[row][mask]  # with the final states, an EAGLE-3 drafter learns the policy's whole law
-            self.drafter_trainer.add_features(tokens, features[row][mask][:-1], final[row][mask])
+            tokens = input_ids[row][mask]  # with the final states, an EAGLE-3 drafter learns the policy's whole law,
+            # computed when an update first trains on the row (inside its budget), not here on the step's path
+            self.drafter_trainer.add_features(tokens, features[row][mask][:-1], final[row][mask], defer_law=True)
         return output
 
     # ------------------------------------------------------------------ drafter updates
